@@ -1,0 +1,169 @@
+"""Raw collectives on contiguous tensors, plus an optional byte counter.
+
+These are the only places seqpar talks to ``torch.distributed``. Each takes its process
+group explicitly. Sequence shards are contiguous dim-0 slices, so the dim-0 gathers and
+reduce-scatters below write straight into one output buffer (no concatenation copy).
+
+torch >= 2.13 names the single-tensor collectives ``all_gather_single`` /
+``reduce_scatter_single``; older releases call them ``all_gather_into_tensor`` /
+``reduce_scatter_tensor``. Both are supported.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+ProcessGroup = dist.ProcessGroup
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def group_size(group: ProcessGroup | None) -> int:
+    """World size of ``group``; ``None`` (or no initialised process group) means 1."""
+    if group is None or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: ProcessGroup | None) -> int:
+    """This process's rank inside ``group``; 0 for ``None``."""
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def check_group(group: ProcessGroup | None, what: str) -> None:
+    """Raise ``ValueError`` if ``group`` is not a process group this rank belongs to."""
+    if group is None:
+        return
+    if not isinstance(group, ProcessGroup):
+        raise ValueError(f"{what}: tp_group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    if not dist.is_initialized():
+        raise ValueError(f"{what}: a tp_group was given but torch.distributed is not initialised")
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"{what}: this process (global rank {dist.get_rank()}) is not a member of the given tp_group"
+        )
+
+
+# --------------------------------------------------------------------------- byte counter
+
+@dataclass
+class CommCounter:
+    """Counts calls and payload bytes per collective kind while active (see :func:`count_comm`).
+
+    Bytes are the size of the full (unsharded) tensor each collective operates on, which is
+    the quantity a ring algorithm moves ``(t-1)/t`` of per rank: the all-gather's output,
+    the reduce-scatter's input, the all-reduce's tensor.
+    """
+
+    calls: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
+
+    def total_bytes(self) -> int:
+        return sum(self.bytes.values())
+
+
+_active_counters: list[CommCounter] = []
+
+
+@contextmanager
+def count_comm() -> Iterator[CommCounter]:
+    """Record every seqpar collective issued inside the block (forward and backward)."""
+    counter = CommCounter()
+    _active_counters.append(counter)
+    try:
+        yield counter
+    finally:
+        _active_counters.remove(counter)
+
+
+def _record(kind: str, t: torch.Tensor) -> None:
+    for c in _active_counters:
+        c.add(kind, t.numel() * t.element_size())
+
+
+# --------------------------------------------------------------------------- collectives
+
+def all_reduce(x: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = False,
+               op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM):
+    """In-place all-reduce of ``x``; returns the work handle when ``async_op``."""
+    if group_size(group) == 1:
+        return None
+    _record("all_reduce", x)
+    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+
+
+def all_gather_dim0(x: torch.Tensor, group: ProcessGroup | None, *, out: torch.Tensor | None = None,
+                    async_op: bool = False):
+    """All-gather ``x`` ``[n, ...]`` into ``[t*n, ...]`` (rank order). Returns ``(out, handle)``."""
+    t = group_size(group)
+    if t == 1:
+        return x, None
+    x = x.contiguous()
+    if out is None:
+        out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("all_gather", out)
+    handle = _all_gather_single(out, x, group=group, async_op=async_op)
+    return out, handle
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = False):
+    """Sum ``x`` ``[t*n, ...]`` over the group and keep this rank's ``[n, ...]`` slice."""
+    t = group_size(group)
+    if t == 1:
+        return x, None
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("reduce_scatter", x)
+    handle = _reduce_scatter_single(out, x, group=group, async_op=async_op)
+    return out, handle
+
+
+def all_gather_dim(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
+    """All-gather along any dim. Dim 0 is zero-copy; other dims pay one concatenation."""
+    dim = dim % x.dim()
+    if dim == 0:
+        return all_gather_dim0(x, group)[0]
+    t = group_size(group)
+    if t == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    gathered, _ = all_gather_dim0(moved, group)
+    return gathered.movedim(0, dim)
+
+
+def reduce_scatter_dim(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
+    """Reduce-scatter along any dim (dim 0 without a layout copy)."""
+    dim = dim % x.dim()
+    if dim == 0:
+        return reduce_scatter_dim0(x, group)[0]
+    if group_size(group) == 1:
+        return x
+    moved = x.movedim(dim, 0).contiguous()
+    return reduce_scatter_dim0(moved, group)[0].movedim(0, dim)
+
+
+def chunk_of(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
+    """This rank's contiguous chunk of ``x`` along ``dim`` (a copy only when dim != 0)."""
+    t = group_size(group)
+    if t == 1:
+        return x
+    n = x.shape[dim] // t
+    piece = x.narrow(dim, group_rank(group) * n, n)
+    return piece if dim % x.dim() == 0 else piece.contiguous()
+
+
+def check_divisible(size: int, t: int, what: str) -> None:
+    """Raise ``ValueError`` naming ``what``, its size and ``t`` unless ``t`` divides ``size``."""
+    if size % t != 0:
+        raise ValueError(f"{what} ({size}) is not divisible by the tensor-parallel size t={t}")

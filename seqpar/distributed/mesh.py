@@ -1,0 +1,123 @@
+"""Process groups: a 2-D ``dp x tp`` mesh over torch's DeviceMesh.
+
+Ranks are laid out tp-fastest: global rank ``r`` has ``tp_rank = r % tp`` and
+``dp_rank = r // tp``, so a TP group is ``tp`` consecutive ranks (one node on a GPU cluster,
+where NVLink carries the per-layer all-gathers and reduce-scatters).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class ParallelMesh:
+    """Who this rank is in the ``dp x tp`` layout, and the groups to talk to its peers.
+
+    ``tp_group`` / ``dp_group`` are ``None`` when that dimension has size 1, so layers built
+    with them are plain single-rank layers.
+    """
+
+    tp_size: int
+    dp_size: int
+    tp_rank: int
+    dp_rank: int
+    rank: int
+    world_size: int
+    device: torch.device
+    tp_group: dist.ProcessGroup | None = None
+    dp_group: dist.ProcessGroup | None = None
+    device_mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh
+
+    @classmethod
+    def single(cls, device: str | torch.device = "cpu") -> "ParallelMesh":
+        """A one-rank mesh that needs no process group (notebooks, plain scripts)."""
+        return cls(1, 1, 0, 0, 0, 1, torch.device(device))
+
+    @property
+    def is_first(self) -> bool:
+        """True on global rank 0, the rank that prints and writes shared files."""
+        return self.rank == 0
+
+    def __repr__(self) -> str:
+        return (f"ParallelMesh(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
+                f"dp={self.dp_rank}/{self.dp_size}, device={self.device})")
+
+
+def validate_layout(tp: int, dp: int | None, world_size: int) -> int:
+    """Check ``dp * tp == world_size`` (inferring ``dp`` when ``None``); return ``dp``.
+
+    Pure arithmetic: every rank raises the same error before any collective is issued.
+    """
+    if not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"tp must be a positive integer, got tp={tp!r}")
+    if dp is None:
+        if world_size % tp != 0:
+            raise ValueError(f"world size {world_size} is not divisible by tp={tp}; "
+                             f"dp * tp must equal the world size")
+        return world_size // tp
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp must be a positive integer, got dp={dp!r}")
+    if dp * tp != world_size:
+        raise ValueError(f"dp * tp must equal the world size: dp={dp} x tp={tp} = {dp * tp}, "
+                         f"world size = {world_size}")
+    return dp
+
+
+def init_parallel(tp: int = 1, dp: int | None = None, *, rank: int | None = None,
+                  world_size: int | None = None, init_method: str | None = None,
+                  backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelMesh:
+    """Initialise (if needed) the default process group and build the ``dp x tp`` mesh.
+
+    Under torchrun, ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` come from the environment.
+    Tests pass ``rank``, ``world_size`` and a ``file://`` ``init_method`` explicitly. With no
+    environment, no explicit world and ``tp == dp == 1`` (or ``dp`` None) a one-rank mesh is
+    returned without any process group. Backend: NCCL when CUDA is available, else gloo.
+    ``timeout`` bounds every collective, so a dead peer fails the job instead of hanging it.
+    """
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    dp = validate_layout(tp, dp, world_size)
+    cuda = torch.cuda.is_available() and (backend in (None, "nccl"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+
+    if world_size == 1 and not dist.is_initialized() and init_method is None and "MASTER_ADDR" not in os.environ:
+        return ParallelMesh.single(device)
+
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if cuda else "gloo")
+        kwargs: dict = dict(backend=backend, timeout=timeout)
+        if init_method is not None:
+            kwargs.update(init_method=init_method, rank=rank if rank is not None else int(os.environ.get("RANK", "0")),
+                          world_size=world_size)
+        if cuda:
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    g_rank = dist.get_rank()
+    return ParallelMesh(
+        tp_size=tp,
+        dp_size=dp,
+        tp_rank=mesh.get_local_rank("tp"),
+        dp_rank=mesh.get_local_rank("dp"),
+        rank=g_rank,
+        world_size=world_size,
+        device=device,
+        tp_group=mesh.get_group("tp") if tp > 1 else None,
+        dp_group=mesh.get_group("dp") if dp > 1 else None,
+        device_mesh=mesh,
+    )

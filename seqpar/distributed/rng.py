@@ -1,0 +1,101 @@
+"""Dropout randomness for tensor/sequence-parallel regions, and RNG capture for recompute.
+
+Two named streams live in an :class:`RNGStreams` object owned by the model (no globals):
+
+* ``"replicated"``: seeded identically on every TP rank. Dropout on a tensor that every TP
+  rank holds in full (plain-TP residual path) must draw the same mask everywhere.
+* ``"tp"``: seeded per TP rank. Dropout on a tensor split across TP ranks (attention
+  probabilities of different heads, sequence shards under SP) must draw different masks.
+
+``fork(name)`` swaps the stream's state into the device's default generator for the
+duration of a block, so plain ``torch`` dropout ops draw from it.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+
+TP_SEED_OFFSET = 2718
+
+
+def _get_device_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_device_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
+
+
+def _seeded_state(device: torch.device, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen.get_state()
+
+
+class RNGStreams:
+    """Named generator states for dropout; see the module docstring."""
+
+    def __init__(self, seed: int, tp_rank: int = 0, device: str | torch.device = "cpu"):
+        self.device = torch.device(device)
+        self.seed, self.tp_rank = seed, tp_rank
+        self.states: dict[str, torch.Tensor] = {
+            "replicated": _seeded_state(self.device, seed),
+            "tp": _seeded_state(self.device, seed + TP_SEED_OFFSET + tp_rank),
+        }
+
+    @contextmanager
+    def fork(self, name: str = "tp") -> Iterator[None]:
+        """Draw from stream ``name`` inside the block; the default generator is untouched after."""
+        if name not in self.states:
+            raise ValueError(f"unknown RNG stream {name!r}; known: {sorted(self.states)}")
+        saved = _get_device_state(self.device)
+        _set_device_state(self.device, self.states[name])
+        try:
+            yield
+        finally:
+            self.states[name] = _get_device_state(self.device)
+            _set_device_state(self.device, saved)
+
+    def get_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.states.items()}
+
+    def set_state(self, states: dict[str, torch.Tensor]) -> None:
+        missing = set(self.states) - set(states)
+        if missing:
+            raise ValueError(f"RNG state is missing streams {sorted(missing)}")
+        self.states = {k: v.clone() for k, v in states.items()}
+
+
+def capture_rng(streams: RNGStreams | None = None) -> dict:
+    """Snapshot the CPU, CUDA (when initialised) and stream states, for replay in recompute."""
+    snap: dict = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        snap["cuda"] = torch.cuda.get_rng_state()
+    if streams is not None:
+        snap["streams"] = streams.get_state()
+    return snap
+
+
+def restore_rng(snap: dict, streams: RNGStreams | None = None) -> None:
+    """Put back a snapshot taken by :func:`capture_rng`."""
+    torch.set_rng_state(snap["cpu"])
+    if "cuda" in snap:
+        torch.cuda.set_rng_state(snap["cuda"])
+    if streams is not None and "streams" in snap:
+        streams.set_state(snap["streams"])
+
+
+@contextmanager
+def replay_rng(snap: dict, streams: RNGStreams | None = None) -> Iterator[None]:
+    """Run a block with the RNG states of ``snap``, then return every state to what it was."""
+    current = capture_rng(streams)
+    restore_rng(snap, streams)
+    try:
+        yield
+    finally:
+        restore_rng(current, streams)

@@ -1,0 +1,89 @@
+"""Cross-entropy over vocabulary-parallel logits, without ever gathering the full vocabulary."""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from ..distributed.collectives import ProcessGroup, all_reduce, check_group, group_rank, group_size
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token loss from logits ``[..., v/t]`` sharded by vocabulary over TP.
+
+    Forward, in fp32: three small all-reduces of ``[...]``-shaped tensors (max, target logit,
+    sum of exp; a fourth, sum of logits, with label smoothing) instead of an all-gather of
+    ``[..., v]``. Saves the local softmax ``[..., v/t]`` in fp32 (the paper's 4sbv/t term).
+    Backward: local, no communication; it reuses the saved softmax in place.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, targets, group, ignore_index, label_smoothing):
+        local_v = logits.shape[-1]
+        vocab = local_v * group_size(group)
+        start = group_rank(group) * local_v
+        x = logits.float()
+        lmax = x.amax(dim=-1)
+        all_reduce(lmax, group, op=dist.ReduceOp.MAX)
+        x = x - lmax.unsqueeze(-1)
+        ignored = targets == ignore_index
+        elsewhere = (targets < start) | (targets >= start + local_v) | ignored
+        local_t = (targets - start).masked_fill(elsewhere, 0)
+        target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
+        sum_logits = x.sum(dim=-1) if label_smoothing > 0 else None
+        # one all-reduce for the target logit and (optionally) the logit sum
+        stacked = torch.stack([target_logit] + ([sum_logits] if sum_logits is not None else []))
+        all_reduce(stacked, group)
+        exp = x.exp_()
+        sum_exp = exp.sum(dim=-1)
+        all_reduce(sum_exp, group)
+        log_z = sum_exp.log()
+        loss = log_z - stacked[0]
+        if label_smoothing > 0:
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - stacked[1] / vocab)
+        loss = loss.masked_fill(ignored, 0.0)
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_t, elsewhere, ignored)
+        ctx.label_smoothing, ctx.vocab, ctx.in_dtype = label_smoothing, vocab, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_t, elsewhere, ignored = ctx.saved_tensors
+        grad = softmax  # reused in place: this graph can be differentiated once
+        on_target = (~elsewhere).to(grad.dtype) * (1.0 - ctx.label_smoothing)
+        grad.scatter_add_(-1, local_t.unsqueeze(-1), -on_target.unsqueeze(-1))
+        if ctx.label_smoothing > 0:
+            grad.sub_(ctx.label_smoothing / ctx.vocab)
+        grad.mul_((grad_loss.float() * (~ignored)).unsqueeze(-1))
+        return grad.to(ctx.in_dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, *,
+                                 tp_group: ProcessGroup | None, ignore_index: int = -100,
+                                 label_smoothing: float = 0.0,
+                                 reduction: Literal["mean", "sum", "none"] = "mean") -> torch.Tensor:
+    """Cross-entropy of ``local_logits`` ``[..., v/t]`` (this rank's vocabulary shard) against
+    ``targets`` ``[...]`` (full vocabulary ids, identical on all TP ranks).
+
+    Matches ``F.cross_entropy(full_logits, targets, ignore_index=..., label_smoothing=...)``:
+    ``"mean"`` averages over non-ignored tokens (0 when all are ignored), ``"none"`` returns the
+    per-token losses (0 at ignored positions). Computed in fp32. The result is identical on all
+    TP ranks.
+    """
+    check_group(tp_group, "vocab_parallel_cross_entropy")
+    if tuple(local_logits.shape[:-1]) != tuple(targets.shape):
+        raise ValueError(f"vocab_parallel_cross_entropy: logits shape {tuple(local_logits.shape)} does not match "
+                         f"targets shape {tuple(targets.shape)} (expected logits [*targets.shape, v/t])")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    losses = _VocabParallelCrossEntropy.apply(local_logits, targets, tp_group, ignore_index, float(label_smoothing))
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    count = (targets != ignore_index).sum().clamp(min=1)
+    return losses.sum() / count

@@ -1,0 +1,262 @@
+"""Column- and row-parallel linear layers (Megatron-style TP), with sequence parallelism as a mode.
+
+Shapes are sequence-first by default. With ``t`` ranks in ``tp_group``:
+
+* ``ColumnParallelLinear``: weight ``[out/t, in]``. Input ``[s, b, in]`` replicated (plain TP)
+  or ``[s/t, b, in]`` sequence shard (SP); output ``[s, b, out/t]``.
+* ``RowParallelLinear``: weight ``[out, in/t]``. Input ``[s, b, in/t]``; output ``[s, b, out]``
+  all-reduced (plain TP) or ``[s/t, b, out]`` reduce-scattered (SP). Bias after the reduction.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..distributed.collectives import (
+    ProcessGroup,
+    all_gather_dim,
+    all_gather_dim0,
+    all_reduce,
+    check_divisible,
+    check_group,
+    group_rank,
+    group_size,
+    reduce_scatter_dim,
+    reduce_scatter_dim0,
+)
+from ..distributed.grad_sync import mark_sp_replicated
+from ..distributed.regions import gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, split_to_tp
+from ._init import InitMethod, build_param, default_linear_init, skip_init
+
+
+def _gather_seq(x, group, seq_dim, async_op):
+    if seq_dim == 0:
+        return all_gather_dim0(x, group, async_op=async_op)
+    return all_gather_dim(x, group, seq_dim), None
+
+
+def _reduce_scatter_seq(x, group, seq_dim, async_op):
+    if seq_dim == 0:
+        return reduce_scatter_dim0(x, group, async_op=async_op)
+    return reduce_scatter_dim(x, group, seq_dim), None
+
+
+def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+class _ColumnParallelLinearFn(torch.autograd.Function):
+    """Linear on a TP-replicated or SP-sharded input, with the input communication fused in.
+
+    Forward: SP all-gathers ``[s/t, b, in] -> [s, b, in]`` for the matmul (plain TP: nothing).
+    Saves only the local input (the shard under SP) -- the paper's §4.2.2 memory saving.
+    Backward: SP re-gathers the shard asynchronously while computing ``grad_input``, then
+    reduce-scatters ``grad_input`` asynchronously while computing ``grad_weight``. Plain TP
+    all-reduces ``grad_input`` (the paper's f) asynchronously behind ``grad_weight``.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim):
+        ctx.group, ctx.sp, ctx.seq_dim = group, sequence_parallel, seq_dim
+        ctx.has_bias = bias is not None
+        ctx.autocast = (x.device.type, *_autocast_state(x.device.type))
+        if ctx.autocast[1]:
+            x = x.to(ctx.autocast[2])  # gather and save in the compute dtype
+        total = _gather_seq(x, group, seq_dim, False)[0] if sequence_parallel else x
+        ctx.save_for_backward(x, weight)
+        return F.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        group, sp, seq_dim = ctx.group, ctx.sp, ctx.seq_dim
+        device_type, ac_enabled, ac_dtype = ctx.autocast
+        with torch.autocast(device_type=device_type, dtype=ac_dtype, enabled=ac_enabled):
+            gather = None
+            if sp:
+                total, gather = _gather_seq(x, group, seq_dim, True)  # overlaps the matmul below
+            else:
+                total = x
+            grad_input = comm = None
+            if ctx.needs_input_grad[0]:
+                grad_input = grad_out.matmul(weight)  # [s, b, in]
+            if gather is not None:
+                gather.wait()
+            if grad_input is not None:
+                if sp:
+                    grad_input, comm = _reduce_scatter_seq(grad_input, group, seq_dim, True)
+                else:
+                    comm = all_reduce(grad_input, group, async_op=True)
+            go = grad_out.reshape(-1, grad_out.shape[-1])
+            grad_weight = go.t().matmul(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
+            grad_bias = go.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+            if comm is not None:
+                comm.wait()
+        return grad_input, grad_weight, grad_bias, None, None, None
+
+
+class _ParallelLinearBase(nn.Module):
+    def _setup(self, in_features, out_features, tp_group, sequence_parallel, seq_dim):
+        check_group(tp_group, type(self).__name__)
+        self.in_features, self.out_features = in_features, out_features
+        self.tp_group = tp_group
+        self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
+        self.sequence_parallel = bool(sequence_parallel)
+        self.seq_dim = seq_dim
+
+    def _check_input(self, x: torch.Tensor, expected_last: int) -> None:
+        if x.shape[-1] != expected_last:
+            raise ValueError(f"{type(self).__name__}: input's last dim is {x.shape[-1]} but the layer expects "
+                             f"{expected_last} (input shape {tuple(x.shape)})")
+        if x.dim() < 2 and self.sequence_parallel:
+            raise ValueError(f"{type(self).__name__}: sequence parallelism needs a sequence dim; "
+                             f"got input shape {tuple(x.shape)}")
+
+    def _gather_full(self, p: torch.Tensor, dim: int) -> torch.Tensor:
+        return all_gather_dim(p.detach(), self.tp_group, dim) if self.tp_size > 1 else p.detach().clone()
+
+    def extra_repr(self) -> str:
+        w = self.weight
+        return (f"in_features={self.in_features}, out_features={self.out_features}, local_weight={tuple(w.shape)}, "
+                f"bias={self.bias is not None}, tp_rank={self.tp_rank}, tp_size={self.tp_size}, "
+                f"sequence_parallel={self.sequence_parallel}")
+
+    @classmethod
+    def from_dense(cls, linear: nn.Linear, *, tp_group: ProcessGroup | None, sequence_parallel: bool = False, **kw):
+        """This rank's slice of a dense ``nn.Linear`` (weights copied, nothing else drawn)."""
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, tp_group=tp_group,
+                    sequence_parallel=sequence_parallel, dtype=linear.weight.dtype, device=linear.weight.device,
+                    init_method=skip_init, **kw)
+        layer.load_dense(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+        return layer
+
+
+class ColumnParallelLinear(_ParallelLinearBase):
+    """``y = x A^T + b`` with ``A`` split by output rows: rank ``r`` holds ``A[r*out/t:(r+1)*out/t]``.
+
+    Plain TP: input ``[s, b, in]`` identical on all ranks -> ``[s, b, out/t]``.
+    SP (``sequence_parallel=True``): input ``[s/t, b, in]`` -> ``[s, b, out/t]``; the all-gather
+    (paper's g) is fused into the matmul and only the shard is kept for backward.
+    ``gather_output=True`` all-gathers the output's last dim to ``[s, b, out]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group: ProcessGroup | None = None,
+                 sequence_parallel: bool = False, gather_output: bool = False, dtype: torch.dtype | None = None,
+                 device=None, init_method: InitMethod | None = None, per_shard_init: bool = False, seq_dim: int = 0):
+        super().__init__()
+        self._setup(in_features, out_features, tp_group, sequence_parallel, seq_dim)
+        check_divisible(out_features, self.tp_size, "ColumnParallelLinear out_features")
+        self.gather_output = gather_output
+        init = init_method or default_linear_init
+        self.weight = build_param((out_features, in_features), 0, self.tp_rank, self.tp_size, init,
+                                  dtype=dtype, device=device, per_shard_init=per_shard_init)
+        self.bias = _build_bias(out_features, in_features, 0, self, bias, init_method, dtype, device, per_shard_init)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x, self.in_features)
+        if self.tp_size == 1:
+            out = F.linear(x, self.weight, self.bias)
+        else:
+            out = _ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.tp_group,
+                                                self.sequence_parallel, self.seq_dim)
+        return gather_from_tp(out, self.tp_group) if self.gather_output else out
+
+    def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's rows of the full ``weight`` ``[out, in]`` (and ``bias`` ``[out]``) in."""
+        n = self.out_features // self.tp_size
+        _check_full(self, weight, (self.out_features, self.in_features), bias)
+        with torch.no_grad():
+            self.weight.copy_(weight[self.tp_rank * n:(self.tp_rank + 1) * n])
+            if self.bias is not None:
+                self.bias.copy_(bias[self.tp_rank * n:(self.tp_rank + 1) * n])
+
+    def dense_weight(self) -> torch.Tensor:
+        """The full ``[out, in]`` weight, all-gathered over TP (a collective: call on every rank)."""
+        return self._gather_full(self.weight, 0)
+
+    def dense_bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self._gather_full(self.bias, 0)
+
+
+class RowParallelLinear(_ParallelLinearBase):
+    """``y = x A^T + b`` with ``A`` split by input columns: rank ``r`` holds ``A[:, r*in/t:(r+1)*in/t]``.
+
+    Input ``[s, b, in/t]`` (``input_is_parallel=True``, the usual output of a column layer) or
+    ``[s, b, in]`` (split here). Output: plain TP all-reduces (paper's f-bar) to ``[s, b, out]``;
+    SP reduce-scatters (paper's g-bar) to ``[s/t, b, out]``. The bias is added after the
+    reduction; under SP it is SP-replicated (its gradient is summed over TP by grad_sync).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group: ProcessGroup | None = None,
+                 sequence_parallel: bool = False, input_is_parallel: bool = True, dtype: torch.dtype | None = None,
+                 device=None, init_method: InitMethod | None = None, per_shard_init: bool = False, seq_dim: int = 0):
+        super().__init__()
+        self._setup(in_features, out_features, tp_group, sequence_parallel, seq_dim)
+        check_divisible(in_features, self.tp_size, "RowParallelLinear in_features")
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
+        self.input_is_parallel = input_is_parallel
+        init = init_method or default_linear_init
+        self.weight = build_param((out_features, in_features), 1, self.tp_rank, self.tp_size, init,
+                                  dtype=dtype, device=device, per_shard_init=per_shard_init)
+        self.bias = _build_bias(out_features, in_features, None, self, bias, init_method, dtype, device, per_shard_init)
+        if self.bias is not None and self.sequence_parallel and self.tp_size > 1:
+            mark_sp_replicated(self, ["bias"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_is_parallel:
+            self._check_input(x, self.in_features // self.tp_size)
+        else:
+            self._check_input(x, self.in_features)
+            x = split_to_tp(x, self.tp_group)
+        out = F.linear(x, self.weight)  # partial sums [s, b, out]
+        if self.sequence_parallel:
+            out = reduce_scatter_to_sp(out, self.tp_group, self.seq_dim)  # [s, b, out] -> [s/t, b, out]
+        else:
+            out = reduce_from_tp(out, self.tp_group)
+        return out + self.bias if self.bias is not None else out
+
+    def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's columns of the full ``weight`` ``[out, in]`` (and the whole ``bias``) in."""
+        n = self.in_features // self.tp_size
+        _check_full(self, weight, (self.out_features, self.in_features), bias)
+        with torch.no_grad():
+            self.weight.copy_(weight[:, self.tp_rank * n:(self.tp_rank + 1) * n])
+            if self.bias is not None:
+                self.bias.copy_(bias)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The full ``[out, in]`` weight, all-gathered over TP (a collective: call on every rank)."""
+        return self._gather_full(self.weight, 1)
+
+    def dense_bias(self) -> torch.Tensor | None:
+        return None if self.bias is None else self.bias.detach().clone()
+
+
+def _build_bias(out_features, in_features, shard_dim, layer, bias, init_method, dtype, device, per_shard_init):
+    """nn.Linear's bias init (uniform +-1/sqrt(fan_in)) by default, zeros with a custom init_method."""
+    if not bias:
+        return None
+    if init_method is skip_init:
+        init = skip_init
+    elif init_method is None:
+        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0.0
+        init = lambda b: nn.init.uniform_(b, -bound, bound)  # noqa: E731
+    else:
+        init = nn.init.zeros_
+    if shard_dim is None:  # replicated bias: identical full tensor on every rank
+        return build_param((out_features,), 0, 0, 1, init, dtype=dtype, device=device, per_shard_init=False)
+    return build_param((out_features,), shard_dim, layer.tp_rank, layer.tp_size, init, dtype=dtype,
+                       device=device, per_shard_init=per_shard_init)
+
+
+def _check_full(layer, weight, shape, bias) -> None:
+    if tuple(weight.shape) != shape:
+        raise ValueError(f"{type(layer).__name__}: full weight must have shape {shape}, got {tuple(weight.shape)}")
+    if (bias is None) != (layer.bias is None):
+        raise ValueError(f"{type(layer).__name__}: bias given={bias is not None} but layer has bias={layer.bias is not None}")
+    if bias is not None and tuple(bias.shape) != (shape[0],):
+        raise ValueError(f"{type(layer).__name__}: full bias must have shape {(shape[0],)}, got {tuple(bias.shape)}")

@@ -1,0 +1,19 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+torch.set_num_threads(1)
+
+
+@pytest.fixture
+def spawn(tmp_path):
+    """``spawn(fn, world_size, *args)`` runs ``fn(mesh_args, *args)`` on ``world_size`` gloo ranks."""
+    from distributed_harness import run_ranks
+
+    def _spawn(fn, world_size, *args):
+        return run_ranks(fn, world_size, tmp_path, *args)
+
+    return _spawn
