@@ -14,7 +14,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     Forward, in fp32: three small all-reduces of ``[...]``-shaped tensors (max, target logit,
     sum of exp; a fourth, sum of logits, with label smoothing) instead of an all-gather of
-    ``[..., v]``. Saves the local softmax ``[..., v/t]`` in fp32 (the paper's 4sbv/t term).
+    ``[..., v]``. Saves the local softmax ``[..., v/t]`` in fp32 (fp64 stays fp64) (the paper's 4sbv/t term).
     Backward: local, no communication; it reuses the saved softmax in place.
     """
 
@@ -23,7 +23,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_v = logits.shape[-1]
         vocab = local_v * group_size(group)
         start = group_rank(group) * local_v
-        x = logits.float()
+        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least
         lmax = x.amax(dim=-1)
         all_reduce(lmax, group, op=dist.ReduceOp.MAX)
         x = x - lmax.unsqueeze(-1)
@@ -56,7 +56,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -on_target.unsqueeze(-1))
         if ctx.label_smoothing > 0:
             grad.sub_(ctx.label_smoothing / ctx.vocab)
-        grad.mul_((grad_loss.float() * (~ignored)).unsqueeze(-1))
+        grad.mul_((grad_loss.to(grad.dtype) * (~ignored)).unsqueeze(-1))
         return grad.to(ctx.in_dtype), None, None, None, None
 
 

@@ -1,0 +1,102 @@
+"""Time forward+backward of a column -> GeLU -> row MLP: t=2 SP, t=2 plain TP and t=1, on CPU gloo.
+
+    python scripts/bench_layers.py [--seq 512 --batch 4 --hidden 512 --repeats 20]
+
+The three configurations run interleaved round by round, so machine drift hits all of them
+alike; the table shows the median time per step and the ratio to plain TP.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from seqpar.distributed.collectives import chunk_of
+from seqpar.layers import ColumnParallelLinear, RowParallelLinear
+
+
+def _step(col, row, x, dy):
+    y = row(F.gelu(col(x)))
+    y.backward(dy)
+
+
+def _worker(rank, world, init_file, args, queue):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    g = dist.group.WORLD
+    s, b, h = args.seq, args.batch, args.hidden
+    torch.manual_seed(0)
+    x_full, dy_full = torch.randn(s, b, h), torch.randn(s, b, h)
+    configs = {
+        "t=2 SP": (ColumnParallelLinear(h, 4 * h, tp_group=g, sequence_parallel=True),
+                   RowParallelLinear(4 * h, h, tp_group=g, sequence_parallel=True),
+                   chunk_of(x_full, g, 0).clone(), chunk_of(dy_full, g, 0).clone()),
+        "t=2 TP": (ColumnParallelLinear(h, 4 * h, tp_group=g), RowParallelLinear(4 * h, h, tp_group=g),
+                   x_full, dy_full),
+    }
+    times = {k: [] for k in configs}
+    for it in range(args.warmup + args.repeats):
+        for name, (col, row, x, dy) in configs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            _step(col, row, x.requires_grad_(True), dy)
+            dist.barrier()
+            if it >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+    if rank == 0:
+        queue.put(times)
+    dist.destroy_process_group()
+
+
+def _single(args) -> list[float]:
+    torch.set_num_threads(1)  # one core per rank, like each TP rank above
+    s, b, h = args.seq, args.batch, args.hidden
+    torch.manual_seed(0)
+    col, row = ColumnParallelLinear(h, 4 * h), RowParallelLinear(4 * h, h)
+    x, dy = torch.randn(s, b, h, requires_grad=True), torch.randn(s, b, h)
+    out = []
+    for it in range(args.warmup + args.repeats):
+        t0 = time.perf_counter()
+        _step(col, row, x, dy)
+        if it >= args.warmup:
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    args = p.parse_args(argv)
+    print(f"MLP [s={args.seq}, b={args.batch}, h={args.hidden}, ffn={4 * args.hidden}], fp32, CPU gloo, "
+          f"{args.repeats} timed steps after {args.warmup} warm-up, {os.cpu_count()} cores", flush=True)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as d:
+        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(d, "rdzv"), args, queue)) for r in range(2)]
+        for proc in procs:
+            proc.start()
+        times = queue.get()
+        for proc in procs:
+            proc.join()
+    times["t=1"] = _single(args)
+    base = statistics.median(times["t=2 TP"])
+    print(f"\n| config | median ms / step | min ms | ratio to t=2 TP |\n|---|---|---|---|")
+    for name in ("t=2 SP", "t=2 TP", "t=1"):
+        med = statistics.median(times[name])
+        print(f"| {name} | {med * 1e3:.2f} | {min(times[name]) * 1e3:.2f} | {med / base:.3f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

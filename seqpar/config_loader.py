@@ -1,0 +1,236 @@
+"""Strict loading of nested config dataclasses from a YAML file plus ``key=value`` overrides.
+
+Precedence: command-line overrides > file > dataclass defaults. Every key is checked: an unknown
+key, a value of the wrong type or a missing required field raises :class:`ConfigError` naming the
+full dotted key (``train.lr``) and the offending value. After a dataclass is built, its
+``validate()`` method runs if it has one, so cross-field checks live next to the fields.
+
+Supported annotations: ``int``, ``float`` (ints accepted), ``bool`` (only ``true``/``false``),
+``str``, ``Literal[...]``, ``X | None``, unions, ``tuple[X, ...]``, ``tuple[X, Y]``,
+``list[X]``, ``dict[str, X]`` and nested dataclasses.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import types
+from pathlib import Path
+from typing import Any, Iterable, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config file or override that does not match the dataclass schema."""
+
+
+class _Loader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that also reads ``3e-4`` / ``1E5`` as floats (YAML 1.1 reads them as strings)."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+    list("-+0123456789."),
+)
+
+
+def yaml_load(text: str) -> Any:
+    """``yaml.safe_load`` with exponent floats such as ``3e-4`` parsed as ``float``."""
+    return yaml.load(text, Loader=_Loader)
+
+
+def _join(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return repr(tp).replace("typing.", "")
+
+
+def _fail(key: str, tp: Any, value: Any) -> ConfigError:
+    return ConfigError(f"{key or '<root>'}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _convert(tp: Any, value: Any, key: str) -> Any:
+    """Check ``value`` against annotation ``tp`` and return it in the annotated form."""
+    origin, args = get_origin(tp), get_args(tp)
+    if tp is Any:
+        return value
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        if isinstance(value, tp):
+            return value
+        return from_dict(tp, value, where=key)
+    if origin in (Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise _fail(key, tp, value)
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _convert(arg, value, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        raise _fail(key, tp, value)
+    if origin is Literal:
+        if any(value == a and type(value) is type(a) for a in args):
+            return value
+        raise ConfigError(f"{key}: expected one of {list(args)}, got {value!r}")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise _fail(key, tp, value)
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise _fail(key, tp, value)
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise _fail(key, tp, value)
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise _fail(key, tp, value)
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise _fail(key, tp, value)
+        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+            if len(value) != len(args):
+                raise ConfigError(f"{key}: expected {len(args)} items for {_type_name(tp)}, got {list(value)!r}")
+            items = [_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
+        else:
+            item_tp = args[0] if args else Any
+            items = [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise _fail(key, tp, value)
+        key_tp, val_tp = args if args else (Any, Any)
+        return {_convert(key_tp, k, f"{key}.<key>"): _convert(val_tp, v, _join(key, str(k))) for k, v in value.items()}
+    raise ConfigError(f"{key}: unsupported annotation {_type_name(tp)} in config schema")
+
+
+def from_dict(cls: type[T], data: dict, *, where: str = "") -> T:
+    """Build dataclass ``cls`` from a plain nested dict, checking every key and type.
+
+    ``where`` is the dotted prefix used in error messages (``"model"`` gives ``model.layers``).
+    Missing keys take the dataclass defaults; ``cls.validate()`` runs after construction.
+    """
+    if not (dataclasses.is_dataclass(cls) and isinstance(cls, type)):
+        raise TypeError(f"from_dict: {cls!r} is not a dataclass type")
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where or '<root>'}: expected a mapping for {cls.__name__}, "
+                          f"got {data!r} ({type(data).__name__})")
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        raise ConfigError(f"unknown key {_join(where, str(unknown[0]))!r} for {cls.__name__}; "
+                          f"valid keys: {sorted(fields)}")
+    hints = get_type_hints(cls)
+    kwargs = {}
+    for name, field in fields.items():
+        key = _join(where, name)
+        if name in data:
+            kwargs[name] = _convert(hints[name], data[name], key)
+        elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"missing required key {key!r} ({_type_name(hints[name])}) for {cls.__name__}")
+    obj = cls(**kwargs)
+    validate = getattr(obj, "validate", None)
+    if callable(validate):
+        validate()
+    return obj
+
+
+def parse_overrides(items: Iterable[str]) -> dict:
+    """``["train.lr=3e-4", "model.layers=4"]`` -> ``{"train": {"lr": 0.0003}, "model": {"layers": 4}}``.
+
+    Values are parsed as YAML (``null``, ``true``, ``[1, 2]``, ``3e-4`` all work); a later item
+    for the same key wins.
+    """
+    out: dict = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=3e-4)")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r} has an empty key segment in {key!r}")
+        try:
+            value = yaml_load(raw)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"override {item!r}: value {raw!r} is not valid YAML ({err})") from None
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r} conflicts with earlier value "
+                                  f"{'.'.join(parts[:i + 1])}={child!r}")
+            node = child
+        if isinstance(node.get(parts[-1]), dict) and not isinstance(value, dict):
+            raise ConfigError(f"override {item!r} conflicts with earlier overrides under {key.strip()!r}")
+        node[parts[-1]] = value
+    return out
+
+
+def merge(base: dict, over: dict) -> dict:
+    """Deep merge: nested dicts merge key by key, any other value in ``over`` replaces. Inputs untouched."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The top-level mapping of YAML file ``path``; an empty file gives ``{}``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+    try:
+        data = yaml_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at top level, got {type(data).__name__}")
+    return data
+
+
+def load(cls: type[T], path: str | Path | None, overrides: Iterable[str] = ()) -> T:
+    """Build ``cls`` from defaults, then file ``path`` (if given), then ``key=value`` overrides."""
+    data = read_yaml(path) if path is not None else {}
+    return from_dict(cls, merge(data, parse_overrides(overrides)))
+
+
+def to_dict(obj: Any) -> Any:
+    """Plain YAML-serialisable form of a config: dataclasses -> dicts (init fields), tuples -> lists."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def dump_yaml(obj: Any) -> str:
+    """YAML text of ``to_dict(obj)`` in field order; ``load`` of it rebuilds an equal config."""
+    return yaml.safe_dump(to_dict(obj), sort_keys=False)

@@ -1,0 +1,114 @@
+"""FLOP counts of a GPT model (Korthikanti et al. 2022, Appendix A) and MFU / HFU helpers.
+
+Notation: B batch (sequences per iteration), s sequence length, h hidden, L layers, v vocabulary.
+Only matrix multiplications are counted (2 FLOPs per multiply-add); backward costs twice the
+forward. Integer inputs give exact integer counts: the factored forms of the paper are expanded,
+e.g. 72BLsh^2(1 + s/(6h) + v/(12hL)) = 72BLsh^2 + 12BLs^2h + 6Bshv.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+Recompute = Literal["none", "selective", "full"]
+
+
+def layer_forward_flops(*, B: int, s: int, h: int) -> int:
+    """Forward FLOPs of one transformer layer: 24Bsh^2 + 4Bs^2h.
+
+    24Bsh^2: QKV (6Bsh^2), output projection (2Bsh^2), MLP h->4h->h (16Bsh^2).
+    4Bs^2h: the attention core, QK^T (2Bs^2h) and attention over V (2Bs^2h).
+    """
+    return 24 * B * s * h * h + attention_core_forward_flops(B=B, s=s, h=h)
+
+
+def attention_core_forward_flops(*, B: int, s: int, h: int) -> int:
+    """Forward FLOPs of QK^T and attention-over-V in one layer, 4Bs^2h: what selective recompute repeats."""
+    return 4 * B * s * s * h
+
+
+def logits_forward_flops(*, B: int, s: int, h: int, v: int) -> int:
+    """Forward FLOPs of the output layer [B*s, h] x [h, v]: 2Bshv."""
+    return 2 * B * s * h * v
+
+
+def model_flops(*, B: int, s: int, h: int, L: int, v: int) -> int:
+    """Model FLOPs per iteration (forward + backward, no recompute): 72BLsh^2(1 + s/(6h) + v/(12hL)).
+
+    Equals 3 x (L x :func:`layer_forward_flops` + :func:`logits_forward_flops`).
+    """
+    return 72 * B * L * s * h * h + 12 * B * L * s * s * h + 6 * B * s * h * v
+
+
+def hardware_flops(recompute: Recompute, *, B: int, s: int, h: int, L: int, v: int) -> int:
+    """FLOPs the hardware executes per iteration, recomputation included.
+
+    none: :func:`model_flops`.
+    selective: 72BLsh^2(1 + s/(3h) + v/(12hL)), Appendix A's hardware count, the one behind the
+      paper's HFU figures (Table 5). It charges 12BLs^2h for the recomputed attention core,
+      three times its forward cost 4BLs^2h (:func:`attention_core_forward_flops`).
+    full: every layer's forward runs twice, 4 forward passes' worth of layers:
+      96BLsh^2(1 + s/(6h)) + 6Bshv (the output layer is not recomputed).
+    """
+    if recompute == "none":
+        return model_flops(B=B, s=s, h=h, L=L, v=v)
+    if recompute == "selective":
+        return 72 * B * L * s * h * h + 24 * B * L * s * s * h + 6 * B * s * h * v
+    if recompute == "full":
+        return 4 * L * layer_forward_flops(B=B, s=s, h=h) + 3 * logits_forward_flops(B=B, s=s, h=h, v=v)
+    raise ValueError(f"unknown recompute mode {recompute!r}; expected 'none', 'selective' or 'full'")
+
+
+def selective_overhead(s: int, h: int) -> float:
+    """Extra FLOPs of selective recompute as a fraction of a layer's model FLOPs: (s/(6h)) / (1 + s/(6h)).
+
+    This is Appendix A's accounting (hardware minus model FLOPs of a layer, 12Bs^2h, over the
+    layer's model FLOPs 72Bsh^2 + 12Bs^2h) and reproduces §5's quoted figures: 2.70% for GPT-3
+    (s=2048, h=12288) and 1.64% for MT-NLG (h=20480), quoted as 2.7% and 1.6%. Adding the logits
+    to the denominator gives 2.69% and 1.64%, the same after rounding. Charging only the
+    recomputed forward, 4Bs^2h, would give s/(18h + 3s): 0.90% and 0.55%, which does not match.
+    """
+    r = s / (6 * h)
+    return r / (1 + r)
+
+
+def mfu(model_flops_per_iter: float, seconds: float, peak_flops_per_device: float, n_devices: int = 1) -> float:
+    """Model FLOPs utilisation: model FLOPs / iteration time / (peak FLOP/s x devices), in [0, 1]."""
+    if seconds <= 0 or peak_flops_per_device <= 0 or n_devices < 1:
+        raise ValueError(
+            f"need seconds > 0, peak > 0, n_devices >= 1; got {seconds}, {peak_flops_per_device}, {n_devices}"
+        )
+    return model_flops_per_iter / seconds / (peak_flops_per_device * n_devices)
+
+
+def hfu(hardware_flops_per_iter: float, seconds: float, peak_flops_per_device: float, n_devices: int = 1) -> float:
+    """Hardware FLOPs utilisation: as :func:`mfu` but counting recomputed FLOPs too."""
+    return mfu(hardware_flops_per_iter, seconds, peak_flops_per_device, n_devices)
+
+
+# Peak dense bf16 tensor-core FLOP/s per device (vendor datasheets, no sparsity). Matched as a
+# case-insensitive substring of the device name, in order: more specific names first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("a100", 312e12),
+    ("a800", 312e12),
+    ("h100 pcie", 756e12),
+    ("h100 nvl", 835e12),
+    ("h100", 989e12),  # SXM
+    ("h800", 989e12),
+    ("h200", 989e12),  # also matches GH200
+    ("b200", 2250e12),
+    ("l40s", 362e12),
+    ("mi300x", 1307e12),
+)
+
+
+def peak_flops(device_name: str) -> float | None:
+    """Peak dense bf16 FLOP/s for a device name such as ``torch.cuda.get_device_name()``.
+
+    ``"NVIDIA A100-SXM4-80GB"`` -> 312e12; ``"NVIDIA H200"`` -> 989e12. None for CPUs and
+    devices not in :data:`PEAK_BF16_FLOPS`.
+    """
+    name = device_name.lower()
+    for key, peak in PEAK_BF16_FLOPS:
+        if key in name:
+            return peak
+    return None

@@ -1,0 +1,169 @@
+"""Strict nested-dataclass config loading: types, unknown keys, precedence, round trip."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+import pytest
+
+from seqpar.config_loader import ConfigError, dump_yaml, from_dict, load, merge, parse_overrides, to_dict
+
+
+@dataclass
+class Model:
+    layers: int = 2
+    hidden: int = 64
+    activation: Literal["gelu", "relu"] = "gelu"
+    dropout: float = 0.1
+    bias: bool = True
+
+    def validate(self) -> None:
+        if self.hidden % 2:
+            raise ValueError(f"model.hidden must be even, got {self.hidden}")
+
+
+@dataclass
+class Train:
+    lr: float = 1e-3
+    steps: int = 10
+    schedule: tuple[int, ...] = (1, 2)
+    tags: list[str] = field(default_factory=list)
+    warmup: Optional[int] = None
+    path: str | None = "data.txt"
+
+
+@dataclass
+class Config:
+    name: str
+    model: Model = field(default_factory=Model)
+    train: Train = field(default_factory=Train)
+
+
+@dataclass
+class Pair:
+    shape: tuple[int, int] = (1, 1)
+    sizes: dict[str, int] = field(default_factory=dict)
+
+
+def test_defaults_and_nested_values():
+    cfg = from_dict(Config, {"name": "x", "model": {"layers": 4}, "train": {"schedule": [3, 4, 5]}})
+    assert cfg == Config(name="x", model=Model(layers=4), train=Train(schedule=(3, 4, 5)))
+    assert isinstance(cfg.train.schedule, tuple)
+
+
+def test_missing_required_field():
+    with pytest.raises(ConfigError, match=r"missing required key 'name'"):
+        from_dict(Config, {})
+
+
+def test_unknown_key_names_dotted_key_and_valid_keys():
+    with pytest.raises(ConfigError, match=r"'model\.layer'.*valid keys: \['activation', 'bias', 'dropout', "
+                                          r"'hidden', 'layers'\]"):
+        from_dict(Config, {"name": "x", "model": {"layer": 4}})
+
+
+@pytest.mark.parametrize("data, pattern", [
+    ({"model": {"layers": 2.5}}, r"model\.layers: expected int, got 2\.5 \(float\)"),
+    ({"model": {"layers": True}}, r"model\.layers: expected int, got True"),
+    ({"model": {"bias": 1}}, r"model\.bias: expected bool, got 1 \(int\)"),
+    ({"model": {"bias": "yes"}}, r"model\.bias: expected bool, got 'yes'"),
+    ({"model": {"dropout": "0.1"}}, r"model\.dropout: expected float, got '0\.1'"),
+    ({"model": {"activation": "tanh"}}, r"model\.activation: expected one of \['gelu', 'relu'\], got 'tanh'"),
+    ({"train": {"schedule": [1, "a"]}}, r"train\.schedule\[1\]: expected int, got 'a'"),
+    ({"train": {"schedule": 3}}, r"train\.schedule: expected tuple\[int, \.\.\.\], got 3"),
+    ({"train": {"tags": ["a", 2]}}, r"train\.tags\[1\]: expected str, got 2"),
+    ({"train": {"warmup": "x"}}, r"train\.warmup: expected int, got 'x'"),
+    ({"model": 3}, r"model: expected a mapping for Model, got 3"),
+    ({"name": 5}, r"name: expected str, got 5"),
+])
+def test_wrong_types_name_key_type_and_value(data, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        from_dict(Config, {"name": "x", **data})
+
+
+def test_accepted_coercions_and_optionals():
+    cfg = from_dict(Config, {"name": "x", "model": {"dropout": 0}, "train": {"warmup": None, "path": None}})
+    assert cfg.model.dropout == 0.0 and isinstance(cfg.model.dropout, float)
+    assert cfg.train.warmup is None and cfg.train.path is None
+    assert from_dict(Train, {"warmup": 5}).warmup == 5
+
+
+def test_fixed_tuple_and_dict():
+    assert from_dict(Pair, {"shape": [2, 3], "sizes": {"a": 1}}) == Pair((2, 3), {"a": 1})
+    with pytest.raises(ConfigError, match=r"shape: expected 2 items"):
+        from_dict(Pair, {"shape": [1, 2, 3]})
+    with pytest.raises(ConfigError, match=r"sizes\.a: expected int"):
+        from_dict(Pair, {"sizes": {"a": "b"}})
+
+
+def test_validate_runs_after_construction():
+    with pytest.raises(ValueError, match="model.hidden must be even, got 63"):
+        from_dict(Config, {"name": "x", "model": {"hidden": 63}})
+
+
+def test_where_prefix_in_errors():
+    with pytest.raises(ConfigError, match=r"unknown key 'outer\.model\.x'"):
+        from_dict(Model, {"x": 1}, where="outer.model")
+
+
+def test_parse_overrides():
+    out = parse_overrides(["train.lr=3e-4", "model.layers=4", "train.path=null", "train.tags=[a, b]",
+                           "model.bias=false", "name=run 1", "train.steps=1E3", "train.lr=-2.5e-5"])
+    assert out == {"train": {"lr": -2.5e-5, "path": None, "tags": ["a", "b"], "steps": 1000.0},
+                   "model": {"layers": 4, "bias": False}, "name": "run 1"}
+    assert isinstance(parse_overrides(["a=3e-4"])["a"], float)
+    assert parse_overrides(["a=1.5e+2"])["a"] == 150.0
+    assert parse_overrides(["a=x=y"])["a"] == "x=y"
+
+
+@pytest.mark.parametrize("items, pattern", [
+    (["train.lr"], r"override 'train\.lr' is not of the form key=value"),
+    (["train..lr=1"], r"empty key segment"),
+    (["a=1", "a.b=2"], r"override 'a\.b=2' conflicts with earlier value a=1"),
+    (["a=[1,"], r"override 'a=\[1,': value"),
+])
+def test_bad_overrides(items, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        parse_overrides(items)
+
+
+def test_merge_is_deep_and_pure():
+    base = {"a": {"b": 1, "c": 2}, "d": 3}
+    over = {"a": {"c": 5}, "e": 6}
+    assert merge(base, over) == {"a": {"b": 1, "c": 5}, "d": 3, "e": 6}
+    assert base == {"a": {"b": 1, "c": 2}, "d": 3} and over == {"a": {"c": 5}, "e": 6}
+    assert merge({"a": {"b": 1}}, {"a": None}) == {"a": None}
+
+
+def test_load_precedence_cli_over_file_over_defaults(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("name: file\nmodel:\n  layers: 6\n  hidden: 32\ntrain:\n  lr: 3e-4\n")
+    cfg = load(Config, path, ["model.layers=8"])
+    assert cfg.name == "file" and cfg.model.layers == 8 and cfg.model.hidden == 32
+    assert cfg.train.lr == 3e-4 and cfg.train.steps == 10
+    assert load(Config, None, ["name=cli"]) == Config(name="cli")
+
+
+def test_load_file_errors(tmp_path):
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load(Config, empty, ["name=x"]) == Config(name="x")
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match=r"list\.yaml' must hold a mapping at top level, got list"):
+        load(Config, listy)
+    with pytest.raises(FileNotFoundError, match=r"nope\.yaml"):
+        load(Config, tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"unknown key 'train\.lrr'"):
+        load(Config, None, ["name=x", "train.lrr=1"])
+
+
+def test_to_dict_and_yaml_round_trip(tmp_path):
+    cfg = Config(name="rt", model=Model(activation="relu", dropout=0.0),
+                 train=Train(lr=3e-4, schedule=(5, 6), tags=["a"], warmup=7, path=None))
+    plain = to_dict(cfg)
+    assert plain["train"]["schedule"] == [5, 6] and plain["model"]["activation"] == "relu"
+    path = tmp_path / "dump.yaml"
+    path.write_text(dump_yaml(cfg))
+    assert load(Config, path) == cfg
+    assert dump_yaml(cfg).splitlines()[0] == "name: rt"

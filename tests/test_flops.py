@@ -1,0 +1,77 @@
+"""Appendix A FLOP counts, §5's overhead figures and Table 5's MFU / HFU, via seqpar.flops."""
+import pytest
+
+from seqpar.flops import (
+    attention_core_forward_flops,
+    hardware_flops,
+    hfu,
+    layer_forward_flops,
+    logits_forward_flops,
+    model_flops,
+    mfu,
+    peak_flops,
+    selective_overhead,
+)
+
+A100 = 312e12
+# Table 3 / Table 5: (global batch B, h, L, GPUs, iteration s with this work, MFU %, HFU %).
+TABLE5 = {
+    "22B": (4, 6144, 48, 8, 1.10, 41.5, 43.7),
+    "175B": (64, 12288, 96, 64, 13.75, 51.4, 52.8),
+    "530B": (280, 20480, 105, 280, 37.83, 56.0, 57.0),
+    "1T": (512, 25600, 128, 512, 71.49, 56.3, 57.0),
+}
+S, V = 2048, 51200
+
+
+@pytest.mark.parametrize("B,s,h,L,v", [(4, 2048, 6144, 48, 51200), (1, 2048, 12288, 96, 51200), (3, 100, 64, 5, 7)])
+def test_model_flops_is_three_forwards(B, s, h, L, v):
+    fwd = L * layer_forward_flops(B=B, s=s, h=h) + logits_forward_flops(B=B, s=s, h=h, v=v)
+    assert model_flops(B=B, s=s, h=h, L=L, v=v) == 3 * fwd
+    assert model_flops(B=B, s=s, h=h, L=L, v=v) == pytest.approx(
+        72 * B * L * s * h**2 * (1 + s / (6 * h) + v / (12 * h * L)), rel=1e-12)
+    assert layer_forward_flops(B=B, s=s, h=h) == 24 * B * s * h**2 + 4 * B * s**2 * h
+    assert hardware_flops("none", B=B, s=s, h=h, L=L, v=v) == model_flops(B=B, s=s, h=h, L=L, v=v)
+    assert hardware_flops("selective", B=B, s=s, h=h, L=L, v=v) == pytest.approx(
+        72 * B * L * s * h**2 * (1 + s / (3 * h) + v / (12 * h * L)), rel=1e-12)
+    full = hardware_flops("full", B=B, s=s, h=h, L=L, v=v)
+    assert full == pytest.approx(96 * B * L * s * h**2 * (1 + s / (6 * h)) + 6 * B * s * h * v, rel=1e-12)
+    assert full == model_flops(B=B, s=s, h=h, L=L, v=v) + L * layer_forward_flops(B=B, s=s, h=h)
+    assert attention_core_forward_flops(B=B, s=s, h=h) == 4 * B * s**2 * h
+
+
+def test_selective_overhead_matches_section5():
+    assert round(100 * selective_overhead(2048, 12288), 1) == 2.7  # GPT-3
+    assert round(100 * selective_overhead(2048, 20480), 1) == 1.6  # MT-NLG
+    B, h, L = 1, 12288, 96
+    extra = hardware_flops("selective", B=B, s=S, h=h, L=L, v=V) - model_flops(B=B, s=S, h=h, L=L, v=V)
+    assert extra == L * 3 * attention_core_forward_flops(B=B, s=S, h=h)
+
+
+def test_full_recompute_costs_about_a_third_more_flops():
+    for B, h, L, *_ in TABLE5.values():
+        ratio = hardware_flops("full", B=B, s=S, h=h, L=L, v=V) / model_flops(B=B, s=S, h=h, L=L, v=V)
+        assert 1.30 < ratio < 1.34
+
+
+@pytest.mark.parametrize("name", list(TABLE5))
+def test_table5_mfu_hfu(name):
+    B, h, L, gpus, secs, mfu_pct, hfu_pct = TABLE5[name]
+    m = mfu(model_flops(B=B, s=S, h=h, L=L, v=V), secs, A100, gpus)
+    hw = hfu(hardware_flops("selective", B=B, s=S, h=h, L=L, v=V), secs, A100, gpus)
+    assert 100 * m == pytest.approx(mfu_pct, abs=0.2)  # iteration times are quoted to 0.01 s
+    assert 100 * hw == pytest.approx(hfu_pct, abs=0.2)
+    assert hw / m == pytest.approx(hfu_pct / mfu_pct, abs=0.002)  # Appendix A's selective count
+
+
+def test_peak_flops_lookup():
+    assert peak_flops("NVIDIA A100-SXM4-80GB") == 312e12
+    assert peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops("NVIDIA H200") == 989e12
+    assert peak_flops("cpu") is None
+    assert peak_flops("Some Unknown Accelerator") is None
+    with pytest.raises(ValueError):
+        mfu(1.0, 0.0, A100)
+    with pytest.raises(ValueError, match="unknown recompute mode"):
+        hardware_flops("partial", B=1, s=1, h=1, L=1, v=1)  # type: ignore[arg-type]
