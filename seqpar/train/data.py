@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import sysconfig
+import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,7 +107,7 @@ def fingerprint(docs: Sequence[Document], vocab_size: int, max_bytes: int) -> st
 
 
 def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
         write(tmp)
         os.replace(tmp, path)
