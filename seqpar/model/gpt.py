@@ -1,0 +1,225 @@
+"""GPT: embeddings -> L pre-LayerNorm blocks -> final LayerNorm -> vocab-parallel head and loss.
+
+Tokens come in batch-first ``[b, s]`` and are processed sequence-first ``[s, b, h]``; under
+sequence parallelism the residual stream between blocks is the shard ``[s/t, b, h]``.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from ..distributed.collectives import check_group, group_rank, group_size
+from ..distributed.grad_sync import mark_sp_replicated
+from ..distributed.mesh import ParallelMesh
+from ..distributed.rng import RNGStreams
+from ..layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from ..layers.linear import _ColumnParallelLinearFn
+from ..recompute import checkpoint, full_recompute_plan
+from .attention import SelfAttention, qkv_dense_to_tp_order
+from .config import GPTConfig
+from .mlp import MLP
+
+
+class Dropout(nn.Module):
+    """Dropout drawing from a named seqpar RNG stream; keeps a 1-byte mask (``torch.native_dropout``)."""
+
+    def __init__(self, p: float, streams: RNGStreams, stream: str):
+        super().__init__()
+        self.p, self.streams, self.stream = p, streams, stream
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        with self.streams.fork(self.stream):
+            return torch.native_dropout(x, self.p, True)[0]
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, stream={self.stream!r}"
+
+
+class Block(nn.Module):
+    """Pre-LN transformer layer: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``."""
+
+    def __init__(self, config: GPTConfig, tp_group, streams: RNGStreams, layer_std: tuple[float, float]):
+        super().__init__()
+        h, dt, eps = config.hidden, config.torch_dtype, config.layernorm_eps
+        stream = "tp" if config.sequence_parallel else "replicated"  # SP: each rank holds other tokens
+        self.ln1 = nn.LayerNorm(h, eps=eps, dtype=dt)
+        self.attn = SelfAttention(config, tp_group, streams, layer_std)
+        self.attn_dropout = Dropout(config.dropout, streams, stream)
+        self.ln2 = nn.LayerNorm(h, eps=eps, dtype=dt)
+        self.mlp = MLP(config, tp_group, layer_std)
+        self.mlp_dropout = Dropout(config.dropout, streams, stream)
+        if config.sequence_parallel and group_size(tp_group) > 1:
+            mark_sp_replicated(self.ln1)
+            mark_sp_replicated(self.ln2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn_dropout(self.attn(self.ln1(x)))
+        return x + self.mlp_dropout(self.mlp(self.ln2(x)))
+
+
+class GPT(nn.Module):
+    """GPT-2/GPT-3 style model built from seqpar's parallel layers.
+
+    ``model(tokens)``: tokens ``[b, s]`` (identical on all TP ranks) -> this rank's vocabulary
+    shard of the logits ``[b, s, v/t]``. ``model(tokens, labels)`` -> mean cross-entropy over
+    labels != -100, identical on all TP ranks. The same ``seed`` gives the same dense model for
+    every TP size (see :meth:`dense_state_dict`).
+    """
+
+    def __init__(self, config: GPTConfig, mesh: ParallelMesh | None = None, seed: int = 0):
+        super().__init__()
+        mesh = mesh or ParallelMesh.single()
+        t = mesh.tp_size
+        config.check_parallel(t)  # before any collective, on every rank
+        check_group(mesh.tp_group, "GPT")
+        self.config, self.mesh = config, mesh
+        self.tp_group, self.tp_size, self.tp_rank = mesh.tp_group, t, group_rank(mesh.tp_group)
+        self.rng = RNGStreams(seed, tp_rank=self.tp_rank, device=mesh.device)
+        h, dt, sp, std = config.hidden, config.torch_dtype, config.sequence_parallel, config.init_std
+        layer_std = (std, std / math.sqrt(2 * config.layers))
+        embed_stream = "tp" if sp else "replicated"
+
+        fork = torch.random.fork_rng(devices=[])  # weights come from `seed`, the caller's RNG is untouched
+        with fork:
+            torch.manual_seed(seed)
+            self.wte = VocabParallelEmbedding(config.vocab_size, h, tp_group=self.tp_group, sequence_parallel=sp,
+                                              dtype=dt, init_method=lambda w: nn.init.normal_(w, 0.0, std))
+            self.wpe = nn.Embedding(config.seq_len, h, dtype=dt)
+            nn.init.normal_(self.wpe.weight, 0.0, std / 2)
+            self.drop = Dropout(config.dropout, self.rng, embed_stream)
+            self.blocks = nn.ModuleList(Block(config, self.tp_group, self.rng, layer_std)
+                                        for _ in range(config.layers))
+            self.ln_f = nn.LayerNorm(h, eps=config.layernorm_eps, dtype=dt)
+            self.lm_head = None if config.tie_embeddings else ColumnParallelLinear(
+                h, config.vocab_size, bias=False, tp_group=self.tp_group, sequence_parallel=sp, dtype=dt,
+                init_method=lambda w: nn.init.normal_(w, 0.0, std))
+        if sp and t > 1:
+            mark_sp_replicated(self.wpe)  # each rank adds the position rows of its own shard
+            mark_sp_replicated(self.ln_f)
+        self.to(mesh.device)
+        self.set_recompute(config.recompute, config.recompute_method, config.recompute_num_layers)
+
+    # ------------------------------------------------------------------ recomputation
+    def set_recompute(self, mode: str, method: str = "uniform", num_layers: int = 1) -> None:
+        """Choose what backward recomputes: "none", "selective" (attention core) or "full"."""
+        if mode not in ("none", "selective", "full"):
+            raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {mode!r}")
+        for block in self.blocks:
+            block.attn.recompute = mode == "selective"
+        L = len(self.blocks)
+        self.runs = full_recompute_plan(L, method, num_layers) if mode == "full" else [(0, L, False)]
+        self.config.recompute, self.config.recompute_method, self.config.recompute_num_layers = mode, method, num_layers
+
+    def _run_blocks(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        for block in self.blocks[start:end]:
+            x = block(x)
+        return x
+
+    # ------------------------------------------------------------------ forward
+    def _check_tokens(self, tokens: torch.Tensor) -> None:
+        if tokens.dim() != 2:
+            raise ValueError(f"GPT expects tokens [batch, seq]; got shape {tuple(tokens.shape)}")
+        s = tokens.shape[1]
+        if s > self.config.seq_len:
+            raise ValueError(f"sequence length {s} exceeds config.seq_len={self.config.seq_len}")
+        if self.config.sequence_parallel and s % self.tp_size:
+            raise ValueError(f"sequence length {s} is not divisible by t={self.tp_size} (sequence parallelism)")
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        self._check_tokens(tokens)
+        if labels is not None and labels.shape != tokens.shape:
+            raise ValueError(f"labels shape {tuple(labels.shape)} must equal tokens shape {tuple(tokens.shape)}")
+        s = tokens.shape[1]
+        sp = self.config.sequence_parallel
+        x = self.wte(tokens.t())                                    # [s/t, b, h] (SP) or [s, b, h]
+        n = x.shape[0]
+        start = self.tp_rank * n if sp else 0
+        x = x + self.wpe.weight[start:start + n].unsqueeze(1)       # positions of this rank's rows
+        x = self.drop(x)
+        for begin, end, ckpt in self.runs:
+            if ckpt:
+                x = checkpoint(self._run_blocks, x, begin, end, streams=self.rng)
+            else:
+                x = self._run_blocks(x, begin, end)
+        x = self.ln_f(x)
+        weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
+        if self.tp_size == 1:
+            logits = torch.nn.functional.linear(x, weight)          # [s, b, v]
+        else:
+            logits = _ColumnParallelLinearFn.apply(x, weight, None, self.tp_group, sp, 0)  # [s, b, v/t]
+        if labels is None:
+            return logits.transpose(0, 1)                           # [b, s, v/t]
+        return vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group)
+
+    # ------------------------------------------------------------------ dense state dict
+    def dense_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) tensors under stable names, identical for every TP size:
+        ``wte.weight [v, h]``, ``wpe.weight [seq_len, h]``, ``blocks.{i}.ln1.{weight,bias}``,
+        ``blocks.{i}.attn.qkv.{weight [3h, h], bias [3h]}`` in ``[q; k; v]`` order,
+        ``blocks.{i}.attn.proj.{weight [h, h], bias}``, ``blocks.{i}.ln2.*``,
+        ``blocks.{i}.mlp.fc1.{weight [f, h], bias}``, ``blocks.{i}.mlp.fc2.{weight [h, f], bias}``,
+        ``ln_f.*`` and, when untied, ``lm_head.weight [v, h]``. A collective: call on every TP rank."""
+        out: dict[str, torch.Tensor] = {}
+        for name, module in self.named_modules():
+            prefix = f"{name}." if name else ""
+            if hasattr(module, "dense_weight"):
+                out[prefix + "weight"] = module.dense_weight()
+                if getattr(module, "bias", None) is not None:
+                    out[prefix + "bias"] = module.dense_bias()
+            elif isinstance(module, (nn.LayerNorm, nn.Embedding)):
+                for pname, p in module.named_parameters(recurse=False):
+                    out[prefix + pname] = p.detach().clone()
+        for i in range(len(self.blocks)):
+            for suffix in ("weight", "bias"):
+                key = f"blocks.{i}.attn.qkv.{suffix}"
+                if key in out:
+                    out[key] = qkv_dense_to_tp_order(out[key], self.tp_size, inverse=True)
+        return out
+
+    def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Slice full tensors (as from :meth:`dense_state_dict`) into this rank's shards.
+        Missing or unexpected keys and wrong shapes raise ``ValueError`` naming them."""
+        expected = self._dense_shapes()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"dense state dict mismatch: missing {missing}, unexpected {unexpected}")
+        bad = [f"{k}: {tuple(state[k].shape)} != {tuple(s)}" for k, s in expected.items() if state[k].shape != s]
+        if bad:
+            raise ValueError(f"dense state dict shape mismatch: {bad}")
+        for name, module in self.named_modules():
+            prefix = f"{name}." if name else ""
+            if hasattr(module, "load_dense"):
+                w, b = state[prefix + "weight"], state.get(prefix + "bias")
+                if name.endswith("attn.qkv"):
+                    w = qkv_dense_to_tp_order(w, self.tp_size)
+                    b = None if b is None else qkv_dense_to_tp_order(b, self.tp_size)
+                if isinstance(module, VocabParallelEmbedding):
+                    module.load_dense(w.to(module.weight.dtype))
+                else:
+                    module.load_dense(w.to(module.weight.dtype), None if b is None else b.to(module.weight.dtype))
+            elif isinstance(module, (nn.LayerNorm, nn.Embedding)):
+                with torch.no_grad():
+                    for pname, p in module.named_parameters(recurse=False):
+                        p.copy_(state[prefix + pname])
+
+    def _dense_shapes(self) -> dict[str, torch.Size]:
+        c, shapes = self.config, {}
+        for name, p in self.named_parameters():
+            shape = list(p.shape)
+            module = self.get_submodule(name.rsplit(".", 1)[0])
+            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+                shape[0] *= self.tp_size
+            elif hasattr(module, "input_is_parallel") and name.endswith("weight"):
+                shape[1] *= self.tp_size
+            shapes[name] = torch.Size(shape)
+        return shapes
+
+    def num_parameters(self, dense: bool = True) -> int:
+        """Parameter count of the full model (``dense``) or of this rank's shards."""
+        if dense:
+            return sum(s.numel() for s in self._dense_shapes().values())
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,75 @@
+"""Activation recomputation, RNG-exact (paper §5).
+
+* ``selective``: only the attention core (QK^T, softmax, softmax dropout, attention over V) is
+  recomputed. It holds the ``5as/h`` share of activation memory at ``4Bs^2h`` FLOPs per layer.
+* ``full``: whole transformer blocks are recomputed; only each checkpointed unit's input is kept.
+  ``uniform`` checkpoints groups of N consecutive layers (a trailing group may be smaller);
+  ``block`` checkpoints each of the first N layers and keeps the rest.
+
+:func:`checkpoint` snapshots the CPU, CUDA and seqpar dropout-stream RNG states at forward time
+and replays them for the recomputation, so the recomputed dropout masks are the ones the
+forward pass used. It keeps its tensor inputs through ``save_for_backward`` (visible to
+``saved_tensors_hooks``, so the memory ledger sees exactly what recomputation keeps).
+"""
+from __future__ import annotations
+
+from typing import Callable, Literal
+
+import torch
+
+from .distributed.rng import RNGStreams, capture_rng, replay_rng
+
+
+class _Checkpoint(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run_fn, streams, *args):
+        ctx.run_fn, ctx.streams = run_fn, streams
+        ctx.rng = capture_rng(streams)
+        dev = next((a.device.type for a in args if torch.is_tensor(a)), "cpu")
+        ctx.autocast = (dev, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        ctx.tensor_idx = [i for i, a in enumerate(args) if torch.is_tensor(a)]
+        ctx.others = [None if torch.is_tensor(a) else a for a in args]
+        with torch.no_grad():
+            out = run_fn(*args)
+        ctx.save_for_backward(*(args[i] for i in ctx.tensor_idx))
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        args = list(ctx.others)
+        saved = ctx.saved_tensors
+        for i, t in zip(ctx.tensor_idx, saved):
+            args[i] = t.detach().requires_grad_(t.requires_grad)
+        dev, ac_on, ac_dtype = ctx.autocast
+        with replay_rng(ctx.rng, ctx.streams), torch.enable_grad(), \
+                torch.autocast(device_type=dev, dtype=ac_dtype, enabled=ac_on):
+            out = ctx.run_fn(*args)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [(o, g) for o, g in zip(outs, grads) if torch.is_tensor(o) and o.requires_grad and g is not None]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        return (None, None, *(args[i].grad if i in ctx.tensor_idx else None for i in range(len(args))))
+
+
+def checkpoint(run_fn: Callable, *args, streams: RNGStreams | None = None):
+    """Run ``run_fn(*args)`` without keeping its activations; recompute them in backward with the
+    same RNG states. Only the tensor ``args`` are kept. Outside autograd (no grad needed, or
+    ``torch.no_grad``) it just calls ``run_fn``."""
+    if not torch.is_grad_enabled() or not any(torch.is_tensor(a) and a.requires_grad for a in args):
+        return run_fn(*args)
+    return _Checkpoint.apply(run_fn, streams, *args)
+
+
+def full_recompute_plan(layers: int, method: Literal["uniform", "block"], num_layers: int) -> list[tuple[int, int, bool]]:
+    """Split ``range(layers)`` into runs ``(start, end, checkpointed)``.
+
+    uniform, N=2, L=5 -> [(0,2,T), (2,4,T), (4,5,T)]; block, N=2, L=5 -> [(0,1,T), (1,2,T), (2,5,F)].
+    """
+    if num_layers < 1:
+        raise ValueError(f"recompute_num_layers must be >= 1, got {num_layers}")
+    if method == "uniform":
+        return [(s, min(s + num_layers, layers), True) for s in range(0, layers, num_layers)]
+    if method == "block":
+        n = min(num_layers, layers)
+        return [(i, i + 1, True) for i in range(n)] + ([(n, layers, False)] if n < layers else [])
+    raise ValueError(f"recompute_method must be 'uniform' or 'block', got {method!r}")
