@@ -1,0 +1,148 @@
+"""Measure the activation bytes a forward pass keeps for backward, attributed to modules.
+
+``ActivationLedger`` runs under ``torch.autograd.graph.saved_tensors_hooks``: every tensor
+autograd saves is recorded once per storage (views of one buffer count once), parameters and
+buffers are excluded, and each storage is charged to the innermost module running when it was
+first saved. A tensor saved outside any layer that is a layer's input (what full recomputation
+keeps) is charged to that layer.
+"""
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+# module-name suffix -> the paper's name for what that module keeps (PAPER.md, Table 2 notes)
+TERMS = {
+    "ln1": "LayerNorm input", "ln2": "LayerNorm input", "ln_f": "final LayerNorm input",
+    "attn.qkv": "QKV input", "attn": "Q, K, V (kept for selective recompute)",
+    "attn.core": "attention core", "attn.proj": "projection input",
+    "attn_dropout": "post-attention dropout mask", "mlp.fc1": "fc1 input", "mlp.act": "GeLU input",
+    "mlp.fc2": "fc2 input", "mlp_dropout": "post-MLP dropout mask", "": "layer input (full recompute)",
+    "wte": "embedding", "drop": "embedding dropout mask",
+}
+_LAYER = re.compile(r"^(.*?blocks\.\d+)(?:\.(.*))?$")
+
+
+def _refine(term: str, role: str, t: torch.Tensor) -> str:
+    """Name the individual tensors inside modules that keep several."""
+    if role in ("ln1", "ln2", "ln_f") and t.dim() and t.shape[-1] == 1:
+        return "LayerNorm mean/rstd (small, left out by the paper)"
+    if role == "attn.core":
+        if t.dtype == torch.bool:
+            return "softmax dropout mask"
+        if t.dim() == 3 and t.shape[-1] == t.shape[-2]:
+            return "softmax output / softmax-dropout output"
+        return "Q, K, V"
+    return term
+
+
+@dataclass
+class SavedTensor:
+    module: str          # qualified module name ("" = the root)
+    layer: str | None    # "blocks.3" for tensors a transformer layer keeps, else None
+    term: str            # what it is, in the paper's words where known
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int          # bytes of the whole underlying storage
+
+
+class ActivationLedger:
+    """Context manager recording what ``model``'s forward keeps for backward.
+
+    >>> with ActivationLedger(model) as ledger:
+    ...     loss = model(tokens, labels)
+    >>> ledger.per_layer()        # {"blocks.0": bytes, ...}
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.records: list[SavedTensor] = []
+        self._stack: list[str] = []
+        self._seen: set[int] = set()
+        self._layer_inputs: dict[int, str] = {}
+        self._handles: list = []
+
+    @staticmethod
+    def _ptr(t: torch.Tensor) -> int:
+        return t.untyped_storage().data_ptr()
+
+    def __enter__(self) -> "ActivationLedger":
+        self._skip = {self._ptr(p) for p in self.model.parameters()} | {self._ptr(b) for b in self.model.buffers()}
+        for name, module in self.model.named_modules():
+            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+            self._handles.append(module.register_forward_hook(self._post(), always_call=True))
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._saved_hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._saved_hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, name):
+        def hook(module, args):
+            self._stack.append(name)
+            if _LAYER.match(name) and _LAYER.match(name).group(2) is None:  # a transformer layer itself
+                first = next((a for a in args if torch.is_tensor(a)), None)
+                if first is not None:
+                    self._layer_inputs.setdefault(self._ptr(first), name)
+        return hook
+
+    def _post(self):
+        def hook(module, args, output):
+            self._stack.pop()
+        return hook
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        ptr = self._ptr(t)
+        if ptr in self._skip or ptr in self._seen or t.untyped_storage().nbytes() == 0:
+            return t
+        self._seen.add(ptr)
+        module = self._stack[-1] if self._stack else ""
+        m = _LAYER.match(module)
+        if m:
+            layer, role = m.group(1), m.group(2) or ""
+        elif ptr in self._layer_inputs:  # saved outside the layers: full recompute's kept input
+            layer, role = self._layer_inputs[ptr], ""
+        else:
+            layer, role = None, module
+        term = _refine(TERMS.get(role, role or "other"), role, t)
+        self.records.append(SavedTensor(module, layer, term, tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
+        return t
+
+    # ------------------------------------------------------------------ summaries
+    def total(self) -> int:
+        return sum(r.nbytes for r in self.records)
+
+    def per_layer(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for r in self.records:
+            if r.layer is not None:
+                out[r.layer] += r.nbytes
+        return dict(out)
+
+    def outside_layers(self) -> int:
+        return sum(r.nbytes for r in self.records if r.layer is None)
+
+    def by_term(self, layer: str | None = None) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for r in self.records:
+            if layer is None or r.layer == layer:
+                out[r.term] += r.nbytes
+        return dict(out)
+
+    def table(self, layer: str | None = None) -> str:
+        """A Markdown table of one layer's saved tensors (default: the first layer)."""
+        layer = layer or next(iter(self.per_layer()), None)
+        rows = [r for r in self.records if r.layer == layer]
+        lines = [f"saved for backward by {layer}:", "| module | term | shape | dtype | bytes |", "|---|---|---|---|---|"]
+        lines += [f"| {r.module or '(root)'} | {r.term} | {list(r.shape)} | {str(r.dtype).replace('torch.', '')} | "
+                  f"{r.nbytes:,} |" for r in rows]
+        lines.append(f"| **total** | | | | **{sum(r.nbytes for r in rows):,}** |")
+        return "\n".join(lines)
