@@ -1,0 +1,36 @@
+"""``seqpar`` command line: ``seqpar train | memory | bench | generate ...``."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS = {
+    "train": ("seqpar.train.launch", "train a GPT model (torchrun-compatible; --nproc-per-node starts torchrun)"),
+    "generate": ("seqpar.train.generate", "print a sample from a checkpoint"),
+    "memory": ("seqpar.memory.report", "activation memory per technique: paper formulas and measured bytes"),
+    "bench": ("seqpar.bench.cli", "benchmark seqpar against Megatron-core and PyTorch DTensor"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: seqpar COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<9} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines.append("\n'seqpar COMMAND --help' describes each command's arguments.")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"seqpar: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
