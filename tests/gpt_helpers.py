@@ -33,11 +33,4 @@ def loss_and_dense_grads(model: GPT, tokens, labels):
     loss = model(tokens, labels)
     loss.backward()
     sync_sp_replicated_grads(model, model.tp_group)
-    saved = {}
-    for name, p in model.named_parameters():  # view the grads through the dense-gathering code
-        saved[name] = p.data
-        p.data = p.grad
-    grads = model.dense_state_dict()
-    for name, p in model.named_parameters():
-        p.data = saved[name]
-    return loss.detach(), grads
+    return loss.detach(), model.to_dense({n: p.grad for n, p in model.named_parameters()})

@@ -14,7 +14,8 @@ from ..distributed.collectives import check_group, group_rank, group_size
 from ..distributed.grad_sync import mark_sp_replicated
 from ..distributed.mesh import ParallelMesh
 from ..distributed.rng import RNGStreams
-from ..layers import ColumnParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from ..distributed.collectives import all_gather_dim
+from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
 from ..layers.linear import _ColumnParallelLinearFn
 from ..recompute import checkpoint, full_recompute_plan
 from .attention import SelfAttention, qkv_dense_to_tp_order
@@ -156,6 +157,49 @@ class GPT(nn.Module):
         return vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group)
 
     # ------------------------------------------------------------------ dense state dict
+    def _layout(self) -> dict[str, int | None]:
+        """Parameter name -> the dim it is split along over TP (None: replicated)."""
+        out: dict[str, int | None] = {}
+        for mname, module in self.named_modules():
+            for pname, _ in module.named_parameters(recurse=False):
+                dim = None
+                if self.tp_size > 1:
+                    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
+                        dim = 0
+                    elif isinstance(module, RowParallelLinear) and pname == "weight":
+                        dim = 1
+                out[f"{mname}.{pname}" if mname else pname] = dim
+        return out
+
+    def to_dense(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Gather per-parameter tensors (parameters, their grads or optimizer moments, keyed by
+        parameter name) into the full, layout-invariant form. A collective over TP."""
+        out = {}
+        for name, dim in self._layout().items():
+            if name not in local:
+                continue
+            x = local[name].detach()
+            x = all_gather_dim(x, self.tp_group, dim) if dim is not None else x.clone()
+            if ".attn.qkv." in name:
+                x = qkv_dense_to_tp_order(x, self.tp_size, inverse=True)
+            out[name] = x
+        return out
+
+    def to_local(self, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Slice full tensors (as from :meth:`to_dense`) into this rank's shards. No communication."""
+        out = {}
+        for name, dim in self._layout().items():
+            if name not in dense:
+                continue
+            x = dense[name]
+            if ".attn.qkv." in name:
+                x = qkv_dense_to_tp_order(x, self.tp_size)
+            if dim is not None:
+                n = x.shape[dim] // self.tp_size
+                x = x.narrow(dim, self.tp_rank * n, n)
+            out[name] = x
+        return out
+
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under stable names, identical for every TP size:
         ``wte.weight [v, h]``, ``wpe.weight [seq_len, h]``, ``blocks.{i}.ln1.{weight,bias}``,
@@ -163,22 +207,7 @@ class GPT(nn.Module):
         ``blocks.{i}.attn.proj.{weight [h, h], bias}``, ``blocks.{i}.ln2.*``,
         ``blocks.{i}.mlp.fc1.{weight [f, h], bias}``, ``blocks.{i}.mlp.fc2.{weight [h, f], bias}``,
         ``ln_f.*`` and, when untied, ``lm_head.weight [v, h]``. A collective: call on every TP rank."""
-        out: dict[str, torch.Tensor] = {}
-        for name, module in self.named_modules():
-            prefix = f"{name}." if name else ""
-            if hasattr(module, "dense_weight"):
-                out[prefix + "weight"] = module.dense_weight()
-                if getattr(module, "bias", None) is not None:
-                    out[prefix + "bias"] = module.dense_bias()
-            elif isinstance(module, (nn.LayerNorm, nn.Embedding)):
-                for pname, p in module.named_parameters(recurse=False):
-                    out[prefix + pname] = p.detach().clone()
-        for i in range(len(self.blocks)):
-            for suffix in ("weight", "bias"):
-                key = f"blocks.{i}.attn.qkv.{suffix}"
-                if key in out:
-                    out[key] = qkv_dense_to_tp_order(out[key], self.tp_size, inverse=True)
-        return out
+        return self.to_dense(dict(self.named_parameters()))
 
     def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Slice full tensors (as from :meth:`dense_state_dict`) into this rank's shards.
@@ -190,31 +219,17 @@ class GPT(nn.Module):
         bad = [f"{k}: {tuple(state[k].shape)} != {tuple(s)}" for k, s in expected.items() if state[k].shape != s]
         if bad:
             raise ValueError(f"dense state dict shape mismatch: {bad}")
-        for name, module in self.named_modules():
-            prefix = f"{name}." if name else ""
-            if hasattr(module, "load_dense"):
-                w, b = state[prefix + "weight"], state.get(prefix + "bias")
-                if name.endswith("attn.qkv"):
-                    w = qkv_dense_to_tp_order(w, self.tp_size)
-                    b = None if b is None else qkv_dense_to_tp_order(b, self.tp_size)
-                if isinstance(module, VocabParallelEmbedding):
-                    module.load_dense(w.to(module.weight.dtype))
-                else:
-                    module.load_dense(w.to(module.weight.dtype), None if b is None else b.to(module.weight.dtype))
-            elif isinstance(module, (nn.LayerNorm, nn.Embedding)):
-                with torch.no_grad():
-                    for pname, p in module.named_parameters(recurse=False):
-                        p.copy_(state[prefix + pname])
+        local = self.to_local(state)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                p.copy_(local[name])
 
     def _dense_shapes(self) -> dict[str, torch.Size]:
-        c, shapes = self.config, {}
+        layout, shapes = self._layout(), {}
         for name, p in self.named_parameters():
-            shape = list(p.shape)
-            module = self.get_submodule(name.rsplit(".", 1)[0])
-            if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-                shape[0] *= self.tp_size
-            elif hasattr(module, "input_is_parallel") and name.endswith("weight"):
-                shape[1] *= self.tp_size
+            shape, dim = list(p.shape), layout[name]
+            if dim is not None:
+                shape[dim] *= self.tp_size
             shapes[name] = torch.Size(shape)
         return shapes
 

@@ -1,0 +1,70 @@
+"""AdamW with decoupled weight decay on matrices only, warmup + cosine LR, TP-aware clipping.
+
+Weight decay applies to 2-D weights of linear layers. Norm weights, biases and embedding tables
+(token and position) are excluded: decaying them pulls LayerNorm gains toward zero and rare
+tokens' embeddings toward the origin without regularising anything useful.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+
+from ..distributed.collectives import ProcessGroup, all_reduce
+from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+
+def tp_sharded_parameters(model: nn.Module) -> set[int]:
+    """``id()`` of parameters split across TP ranks (each rank holds a different slice)."""
+    out: set[int] = set()
+    for m in model.modules():
+        if isinstance(m, ColumnParallelLinear) and m.tp_size > 1:
+            out.update(id(p) for p in m.parameters(recurse=False))
+        elif isinstance(m, (RowParallelLinear, VocabParallelEmbedding)) and m.tp_size > 1:
+            out.add(id(m.weight))
+    return out
+
+
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]):
+    """AdamW with two groups: decayed linear-layer matrices, and everything else undecayed."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, VocabParallelEmbedding))}
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
+
+
+def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
+    """Linear warmup from lr/warmup to ``lr`` over ``warmup_steps``, then cosine to ``min_lr``.
+    ``step`` counts from 0 (the first optimizer step)."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    span = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def clip_grad_norm_tp(model: nn.Module, max_norm: float, tp_group: ProcessGroup | None) -> float:
+    """Global gradient L2 norm of the *full* model, computed across TP: squares of sharded
+    parameters are summed over the TP group; replicated parameters (identical on every TP rank
+    after grad sync) are counted once. Scales grads in place when ``max_norm > 0`` and the norm
+    exceeds it. Returns the norm before clipping (identical on all ranks)."""
+    sharded = tp_sharded_parameters(model)
+    grads = [p for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    dev = grads[0].grad.device
+    sq = torch.zeros(2, dtype=torch.float64, device=dev)  # [sharded, replicated]
+    for p in grads:
+        sq[0 if id(p) in sharded else 1] += p.grad.detach().double().pow(2).sum()
+    shard_sq = sq[0:1].clone()
+    all_reduce(shard_sq, tp_group)
+    norm = float((shard_sq[0] + sq[1]).sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        torch._foreach_mul_([p.grad for p in grads], scale)
+    return norm
