@@ -1,0 +1,87 @@
+"""Rank-0 progress output: a line per log interval, a progress bar with ETA, TensorBoard scalars."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _fmt_duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def progress_bar(done: int, total: int, width: int = 20) -> str:
+    filled = int(width * done / max(1, total))
+    return "[" + "#" * filled + "-" * (width - filled) + "]"
+
+
+class MetricsLogger:
+    """Prints on the first rank only; writes ``metrics.jsonl`` and, when the ``tensorboard``
+    package is installed, TensorBoard scalars under ``out_dir``."""
+
+    def __init__(self, out_dir: str | Path, enabled: bool, total_steps: int, start_step: int = 0):
+        self.enabled, self.total, self.start_step = enabled, total_steps, start_step
+        self.t0 = time.perf_counter()
+        self.tb = None
+        self.jsonl = None
+        if enabled:
+            out = Path(out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            self.jsonl = open(out / "metrics.jsonl", "a")
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(out / "tensorboard"))
+            except ImportError:
+                self.print("(TensorBoard scalars off: `pip install tensorboard` to enable them)")
+
+    def print(self, msg: str) -> None:
+        if self.enabled:
+            print(msg, flush=True)
+
+    def log(self, step: int, scalars: dict[str, float | None]) -> None:
+        """One line: step, progress bar with ETA, then the scalars in order."""
+        if not self.enabled:
+            return
+        elapsed = time.perf_counter() - self.t0
+        done = step - self.start_step
+        eta = elapsed / max(1, done) * (self.total - step)
+        parts = [f"step {step:>5}/{self.total}", f"{progress_bar(step, self.total)} ETA {_fmt_duration(eta)}"]
+        for k, v in scalars.items():
+            parts.append(f"{k} {'n/a' if v is None else _fmt_value(v)}")
+        print(" | ".join(parts), flush=True)
+        record = {"step": step, **{k: v for k, v in scalars.items() if v is not None}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in scalars.items():
+                if v is not None:
+                    self.tb.add_scalar(k.replace(" ", "_"), v, step)
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _fmt_value(v: float) -> str:
+    if isinstance(v, int) or (abs(v) >= 1000 and float(v).is_integer()):
+        return f"{int(v):,}"
+    if abs(v) >= 100:
+        return f"{v:,.0f}"
+    if abs(v) >= 0.01 or v == 0:
+        return f"{v:.4f}"
+    return f"{v:.2e}"
+
+
+def device_name() -> str:
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
