@@ -40,7 +40,8 @@ class _MetadataUnpickler(pickle.Unpickler):
                ("torch", "float32"), ("torch", "float64"), ("torch", "bfloat16"), ("torch", "float16"),
                ("torch", "int64"), ("torch", "int32"), ("torch", "uint8"), ("torch", "bool"), ("torch", "strided"),
                ("torch", "contiguous_format"), ("torch.serialization", "_get_layout"), ("builtins", "getattr"),
-               ("torch", "dtype"), ("torch", "layout"), ("torch", "memory_format")}
+               ("torch", "dtype"), ("torch", "layout"), ("torch", "memory_format"),
+               ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath")}
 
     def find_class(self, module: str, name: str):
         if module.startswith(self.ALLOWED_PREFIXES) or (module, name) in self.ALLOWED:

@@ -160,9 +160,9 @@ def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_d
     Safe to call from several processes at once (one does the work, the others wait on a lock
     and then reuse it). Token files (``.bin``/``.npy``) are only checked and opened.
     """
-    _check_vocab(vocab_size)
     if _is_token_file(source):
         return open_corpus(source, vocab_size=vocab_size, cache_dir=cache_dir, max_bytes=max_bytes)
+    _check_vocab(vocab_size)
     docs = list_documents(source, max_bytes)
     fp = fingerprint(docs, vocab_size, max_bytes)
     base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -189,9 +189,9 @@ def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_d
 def open_corpus(source: str | Path | None = None, *, vocab_size: int, cache_dir: str | Path | None = None,
                 max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
     """Open an already prepared corpus read-only (no training, no writes, no lock)."""
-    _check_vocab(vocab_size)
-    if _is_token_file(source):
+    if _is_token_file(source):  # any vocabulary larger than the ids it holds
         return _open_token_file(Path(source), vocab_size)
+    _check_vocab(vocab_size)
     docs = list_documents(source, max_bytes)
     fp = fingerprint(docs, vocab_size, max_bytes)
     base = Path(cache_dir) if cache_dir is not None else default_cache_dir()

@@ -1,0 +1,265 @@
+"""``seqpar memory``: activation memory per technique, from the paper's formulas and measured.
+
+For each model it prints a Markdown table with Table 2's bytes per layer, the per-GPU total of
+Figure 1 (per layer x L x the interleaving factor of the first pipeline stage) and the share of
+the TP baseline (Figure 7). ``--measure`` builds the model on ``t`` gloo ranks on this machine and
+adds the bytes :class:`~seqpar.memory.ledger.ActivationLedger` sees each layer keep for backward;
+``--png`` draws Figure 7 as a grouped bar chart.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Sequence
+
+from ..config_loader import read_yaml
+from .formulas import (PAPER_MODELS, ModelShape, Technique, bytes_per_layer, extra_bytes, gib,
+                       interleave_factor, load_shape, paper_config_dir, per_gpu_bytes, ratio_to_tp)
+
+# Table 2 row -> (label, GPTConfig.sequence_parallel, GPTConfig.recompute) that realises it
+ROWS: dict[Technique, tuple[str, bool, str]] = {
+    "tp": ("TP (baseline)", False, "none"),
+    "tp_sp": ("TP + SP", True, "none"),
+    "tp_selective": ("TP + selective", False, "selective"),
+    "tp_sp_selective": ("TP + SP + selective", True, "selective"),
+    "full": ("full recompute", False, "full"),
+}
+RANK_TIMEOUT = timedelta(minutes=2)  # a rank stuck in a collective fails the run instead of hanging it
+
+
+@dataclasses.dataclass
+class Entry:
+    """One model of the report: its shape for the formulas and its ``model:`` section."""
+
+    shape: ModelShape
+    model: dict  # GPTConfig fields, as in the YAML file
+    path: Path
+
+
+UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
+
+
+def unit_for(n: float, least: float = 1.0) -> str:
+    """The largest binary unit in which ``n`` bytes is at least ``least``: ``unit_for(3 * 2**20) == "MiB"``."""
+    return next(u for u, k in UNITS.items() if n >= least * k or u == "B")
+
+
+def human(n: float, unit: str | None = None) -> str:
+    """Bytes in binary units, ``human(3 * 2**20) == "3.00 MiB"``; ``unit`` fixes the unit."""
+    unit = unit or unit_for(n)
+    return f"{n / UNITS[unit]:.2f} {unit}"
+
+
+def load_entry(path: str | Path, micro_batch: int | None = None, tp: int | None = None) -> Entry:
+    """Read a config (``model``, ``parallel``, ``train`` sections; others ignored), with overrides."""
+    path = Path(path)
+    data = read_yaml(path)  # names the path when it is missing or not YAML
+    if not isinstance(data.get("model"), dict):
+        raise ValueError(f"{path}: needs a 'model:' mapping of GPTConfig fields, got {data.get('model')!r}")
+    shape = load_shape(path)
+    if micro_batch is not None:
+        shape = dataclasses.replace(shape, b=micro_batch)
+    if tp is not None:
+        shape = dataclasses.replace(shape, t=tp)
+    return Entry(shape, dict(data["model"]), path)
+
+
+def estimate_bytes(e: Entry) -> int:
+    """Rough host bytes to measure ``e`` here: t ranks x (TP-baseline activations + bf16 weights).
+
+    Weights count in full on every rank: each rank builds the master tensor before slicing it.
+    """
+    s, b, h, a, L, v, t = (getattr(e.shape, k) for k in ("s", "b", "h", "a", "L", "v", "t"))
+    ffn = e.model.get("ffn_hidden") or 4 * h
+    params = L * (4 * h * h + 2 * h * ffn) + (v + s) * h
+    acts = bytes_per_layer("tp", s=s, b=b, h=h, a=a, t=t) * L + sum(extra_bytes(s=s, b=b, h=h, v=v, t=t, p=1).values())
+    return int(t * (acts + 2 * params))
+
+
+def table(shape: ModelShape, measured: dict[str, int] | None = None) -> str:
+    """A Markdown table for one model: formula bytes per technique, and measured ones if given."""
+    dims = dict(s=shape.s, b=shape.b, h=shape.h, a=shape.a, t=shape.t)
+    factor = interleave_factor(shape.p, shape.m)
+    lines = [f"### {shape.name}: s={shape.s} b={shape.b} h={shape.h} a={shape.a} L={shape.L} t={shape.t} "
+             f"p={shape.p} m={shape.m} (per GPU = per layer x {shape.L} layers x interleave {factor:.4g})", ""]
+    head = ["technique", "per layer (Table 2)", "per GPU", "% of TP"]
+    if measured is not None:
+        head += ["measured per layer (bytes)", "measured / formula"]
+    lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    # one unit per column, chosen so that the smallest entry still reads as >= 0.1
+    unit = unit_for(min(bytes_per_layer(tech, **dims) for tech in ROWS), 0.1)
+    gpu_unit = unit_for(min(per_gpu_bytes(shape, tech) for tech in ROWS), 0.1)
+    for tech, (label, _, _) in ROWS.items():
+        formula = bytes_per_layer(tech, **dims)
+        row = [label, human(formula, unit), human(per_gpu_bytes(shape, tech), gpu_unit),
+               f"{100 * ratio_to_tp(tech, **dims):.2f}%"]
+        if measured is not None:
+            row += [f"{measured[tech]:,}", f"{measured[tech] / formula:.4f}"]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
+def _rank_main(rank: int, t: int, model: dict, b: int, run_dir: str) -> None:
+    """One gloo rank: build the model once per technique and record each layer's saved bytes."""
+    import torch
+    import torch.distributed as dist
+
+    from ..config_loader import from_dict
+    from ..distributed import init_parallel
+    from ..model import GPT, GPTConfig
+    from .ledger import ActivationLedger
+
+    torch.set_num_threads(1)  # t ranks share this machine's cores
+    mesh = init_parallel(tp=t, rank=rank, world_size=t, init_method=f"file://{run_dir}/rendezvous",
+                         backend="gloo", timeout=RANK_TIMEOUT)
+    base = from_dict(GPTConfig, model, where="model")
+    out: dict[str, list[int]] = {}
+    try:
+        for i, (tech, (label, sp, recompute)) in enumerate(ROWS.items()):
+            cfg = dataclasses.replace(base, dtype="bfloat16", attention="math", dropout=0.1, attention_dropout=0.1,
+                                      sequence_parallel=sp, recompute=recompute, recompute_method="uniform",
+                                      recompute_num_layers=1)
+            net = GPT(cfg, mesh, seed=0)
+            tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+            with ActivationLedger(net) as ledger:
+                net(tokens, tokens)  # forward only: the ledger sees what backward would need
+            out[tech] = list(ledger.per_layer().values())
+            if rank == 0:
+                print(f"  [{i + 1}/{len(ROWS)}] {label}: {human(max(out[tech]))} per layer (rank 0)",
+                      file=sys.stderr, flush=True)
+            del net, ledger
+        Path(run_dir, f"rank{rank}.json").write_text(json.dumps(out))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure(e: Entry) -> dict[str, int]:
+    """Per-layer bytes each technique keeps (the largest over layers and ranks), on t gloo ranks.
+
+    Ranks are processes on this machine meeting through a ``file://`` rendezvous in a temp dir.
+    """
+    import torch.multiprocessing as mp
+
+    t = e.shape.t
+    with tempfile.TemporaryDirectory(prefix="seqpar-memory-") as run_dir:
+        mp.spawn(_rank_main, args=(t, e.model, e.shape.b, run_dir), nprocs=t, join=True)
+        ranks = [json.loads(Path(run_dir, f"rank{r}.json").read_text()) for r in range(t)]
+    return {tech: max(max(r[tech]) for r in ranks) for tech in ROWS}
+
+
+def plot(shapes: Sequence[ModelShape], path: str | Path) -> None:
+    """Figure 7: per model, one bar per technique as a percentage of the TP baseline."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    techs = [k for k in ROWS if k != "tp"]
+    fig = Figure(figsize=(9, 4.8))
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    width = 0.8 / len(techs)
+    for i, tech in enumerate(techs):
+        xs = [j + (i - (len(techs) - 1) / 2) * width for j in range(len(shapes))]
+        ys = [100 * ratio_to_tp(tech, s=sh.s, b=sh.b, h=sh.h, a=sh.a, t=sh.t) for sh in shapes]
+        bars = ax.bar(xs, ys, width, label=ROWS[tech][0])
+        ax.bar_label(bars, labels=[f"{y:.1f}" for y in ys], fontsize=7, padding=1)
+    ax.axhline(100, color="black", linestyle="--", linewidth=1, label="TP baseline")
+    ax.set_xticks(range(len(shapes)), [sh.name for sh in shapes])
+    ax.set_ylim(0, 115)
+    ax.set_ylabel("activation memory, % of TP baseline")
+    ax.set_title("Activation memory per GPU relative to tensor parallelism (Table 2 formulas)")
+    ax.legend(ncol=5, fontsize=8, loc="upper center")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+
+
+def _check_measurable(entries: Sequence[Entry]) -> None:
+    """Validate each ``model:`` section as a GPTConfig for its t before any rank is spawned."""
+    from ..config_loader import from_dict
+    from ..model import GPTConfig
+
+    for e in entries:
+        try:
+            cfg = from_dict(GPTConfig, e.model, where="model")
+            dataclasses.replace(cfg, sequence_parallel=True).check_parallel(e.shape.t)
+        except ValueError as ex:
+            raise ValueError(f"{e.path}: {ex}") from None
+        if cfg.ffn_hidden != 4 * cfg.hidden:
+            print(f"seqpar memory: note: {e.path}: ffn_hidden={cfg.ffn_hidden} != 4h; Table 2 assumes 4h",
+                  file=sys.stderr)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="seqpar memory", description=(
+        "Activation memory per technique: Table 2 bytes per layer, per GPU (Figure 1) and relative to "
+        "the TP baseline (Figure 7); --measure adds the bytes a small model keeps on t gloo ranks."))
+    p.add_argument("configs", nargs="*", type=Path, help="model YAML files (model/parallel/train sections)")
+    p.add_argument("--paper", action="store_true", help="the four models of Table 3 (the default with no configs)")
+    p.add_argument("--measure", action="store_true", help="also measure saved bytes on t gloo ranks (small models)")
+    p.add_argument("--png", type=Path, metavar="PATH", help="write a Figure 7 style bar chart")
+    p.add_argument("--micro-batch", type=int, metavar="B", help="override train.micro_batch")
+    p.add_argument("--tp", type=int, metavar="T", help="override parallel.tp")
+    p.add_argument("--max-gib", type=float, default=2.0, metavar="GIB",
+                   help="refuse --measure above this estimate of activations+weights (default 2)")
+    return p
+
+
+def err(msg: str) -> None:
+    """Report a user error on stderr, prefixed like argparse's."""
+    print(f"seqpar memory: error: {msg}", file=sys.stderr)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``seqpar memory``; returns the exit status (2 for bad input)."""
+    args = _parser().parse_args(argv)
+    for name in ("micro_batch", "tp"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            err(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+            return 2
+    if args.png is not None and importlib.util.find_spec("matplotlib") is None:
+        err("--png needs matplotlib: pip install matplotlib (or pip install 'seqpar[plot]')")
+        return 2
+    paths = list(args.configs)
+    if args.paper or not paths:
+        paths = [paper_config_dir() / f"{n}.yaml" for n in PAPER_MODELS] + paths
+    try:
+        entries = [load_entry(p, args.micro_batch, args.tp) for p in paths]
+    except (OSError, ValueError) as e:  # ConfigError is a ValueError; messages name the path
+        err(str(e))
+        return 2
+    if args.measure:
+        too_big = [f"{e.shape.name} (~{gib(estimate_bytes(e)):.1f} GiB over {e.shape.t} ranks)"
+                   for e in entries if gib(estimate_bytes(e)) > args.max_gib]
+        if too_big:
+            err(f"--measure refused: {', '.join(too_big)} above the {args.max_gib:g} GiB limit of activations "
+                f"and weights for this machine (--max-gib); measure a small config such as configs/memory-demo.yaml")
+            return 2
+        try:
+            _check_measurable(entries)
+        except ValueError as e:
+            err(str(e))
+            return 2
+    print("Activation memory per technique (Korthikanti et al. 2022, Table 2): 16-bit activations, 1-byte "
+          "dropout masks; per GPU = first pipeline stage, terms outside the layers left out.\n", flush=True)
+    for e in entries:
+        measured = None
+        if args.measure:
+            print(f"measuring {e.shape.name} on {e.shape.t} gloo rank(s): bf16, math attention, dropout 0.1 "
+                  f"(~{gib(estimate_bytes(e)):.2f} GiB) ...", file=sys.stderr, flush=True)
+            try:
+                measured = measure(e)
+            except Exception as ex:  # a rank failed: its traceback is in the message
+                err(f"measuring {e.path} failed: {ex}")
+                return 1
+        print(table(e.shape, measured) + "\n", flush=True)
+    if args.png is not None:
+        plot([e.shape for e in entries], args.png)
+        print(f"wrote {args.png}")
+    return 0
+

@@ -1,0 +1,88 @@
+"""``seqpar memory``: the paper's Figure 1 / Figure 7 numbers, the chart, and measured bytes."""
+import re
+
+import pytest
+import yaml
+
+from seqpar.memory.report import main
+
+PAPER_PER_GPU = {"22B": ("59.25", "9.56"), "175B": ("66.84", "12.35"), "530B": ("114.02", "23.08"),
+                 "1T": ("131.25", "26.56")}
+TINY = {"model": {"vocab_size": 128, "seq_len": 32, "hidden": 64, "heads": 4, "layers": 2},
+        "parallel": {"tp": 2}, "train": {"micro_batch": 2}, "optim": {"lr": 1e-3}}  # extra sections ignored
+
+
+def _sections(text: str) -> dict[str, str]:
+    """Model name -> the report's table for it."""
+    parts = re.split(r"^### (\S+):", text, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def _row(section: str, label: str) -> list[str]:
+    line = next(ln for ln in section.splitlines() if ln.startswith(f"| {label} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_paper_tables_show_figure_1_and_figure_7(capsys):
+    assert main(["--paper"]) == 0
+    sections = _sections(capsys.readouterr().out)
+    assert list(sections) == list(PAPER_PER_GPU)
+    for name, (tp, both) in PAPER_PER_GPU.items():
+        assert _row(sections[name], "TP (baseline)")[2] == f"{tp} GiB"
+        assert _row(sections[name], "TP + SP + selective")[2] == f"{both} GiB"
+    # PAPER.md's per-layer ratios to the TP baseline
+    assert [_row(sections["22B"], r)[3] for r in ("TP + SP", "TP + selective", "TP + SP + selective",
+                                                   "full recompute")] == ["66.77%", "49.37%", "16.14%", "7.59%"]
+    assert _row(sections["175B"], "TP + SP + selective")[3] == "18.48%"
+    assert _row(sections["1T"], "full recompute")[3] == "9.52%"
+
+
+def test_overrides_change_the_shape(capsys, tmp_path):
+    assert main(["--paper", "--tp", "4", "--micro-batch", "1"]) == 0
+    assert "### 22B: s=2048 b=1 h=6144 a=64 L=48 t=4" in capsys.readouterr().out
+
+
+def test_png_chart(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "fig7.png"
+    assert main(["--png", str(out)]) == 0
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 10_000
+
+
+def test_measured_bytes_match_formulas(tmp_path, capsys):
+    cfg = tmp_path / "tiny.yaml"
+    cfg.write_text(yaml.safe_dump(TINY))
+    assert main([str(cfg), "--measure"]) == 0
+    section = _sections(capsys.readouterr().out)["TINY"]
+    for label in ("TP (baseline)", "TP + SP", "TP + selective", "TP + SP + selective", "full recompute"):
+        row = _row(section, label)
+        assert len(row) == 6 and abs(float(row[5]) - 1) <= 0.02, row
+
+
+def test_missing_config_names_the_path(tmp_path, capsys):
+    missing = tmp_path / "no-such-model.yaml"
+    assert main([str(missing)]) == 2
+    assert str(missing) in capsys.readouterr().err
+
+
+def test_config_without_model_section_is_an_error(tmp_path, capsys):
+    cfg = tmp_path / "broken.yaml"
+    cfg.write_text("train:\n  micro_batch: 1\n")
+    assert main([str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert str(cfg) in err and "model" in err
+
+
+def test_measure_refuses_models_too_big_for_this_machine(capsys):
+    assert main(["--paper", "--measure"]) == 2
+    err = capsys.readouterr().err
+    assert "--measure refused" in err and "22B" in err and "1T" in err
+
+
+def test_measure_checks_divisibility_before_spawning(tmp_path, capsys):
+    cfg = tmp_path / "odd.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY, "parallel": {"tp": 3}}))
+    assert main([str(cfg), "--measure"]) == 2
+    err = capsys.readouterr().err
+    assert str(cfg) in err and "t=3" in err
