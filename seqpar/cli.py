@@ -1,4 +1,4 @@
-"""``seqpar`` command line: ``seqpar train | memory | bench | generate ...``."""
+"""``seqpar`` command line: ``seqpar train | generate | memory ...``."""
 from __future__ import annotations
 
 import importlib
@@ -8,7 +8,6 @@ COMMANDS = {
     "train": ("seqpar.train.launch", "train a GPT model (torchrun-compatible; --nproc-per-node starts torchrun)"),
     "generate": ("seqpar.train.generate", "print a sample from a checkpoint"),
     "memory": ("seqpar.memory.report", "activation memory per technique: paper formulas and measured bytes"),
-    "bench": ("seqpar.bench.cli", "benchmark seqpar against Megatron-core and PyTorch DTensor"),
 }
 
 
