@@ -1,0 +1,4 @@
+"""Conversion between seqpar's GPT and other model formats (``transformers`` imported lazily)."""
+from . import gpt2
+
+__all__ = ["gpt2"]
