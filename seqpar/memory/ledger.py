@@ -24,7 +24,6 @@ TERMS = {
     "mlp.fc2": "fc2 input", "mlp_dropout": "post-MLP dropout mask", "": "layer input (full recompute)",
     "wte": "embedding", "drop": "embedding dropout mask",
 }
-_LAYER = re.compile(r"^(.*?blocks\.\d+)(?:\.(.*))?$")
 
 
 def _refine(term: str, role: str, t: torch.Tensor) -> str:
@@ -58,8 +57,11 @@ class ActivationLedger:
     >>> ledger.per_layer()        # {"blocks.0": bytes, ...}
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, layer_pattern: str = r"blocks\.\d+"):
+        """``layer_pattern``: regex matching the qualified names of the transformer layers
+        (seqpar's GPT: ``blocks.3``; other systems name them differently)."""
         self.model = model
+        self._layer_re = re.compile(rf"^(.*?{layer_pattern})(?:\.(.*))?$")
         self.records: list[SavedTensor] = []
         self._stack: list[str] = []
         self._seen: set[int] = set()
@@ -88,7 +90,8 @@ class ActivationLedger:
     def _pre(self, name):
         def hook(module, args):
             self._stack.append(name)
-            if _LAYER.match(name) and _LAYER.match(name).group(2) is None:  # a transformer layer itself
+            m = self._layer_re.match(name)
+            if m and m.group(2) is None:  # a transformer layer itself
                 first = next((a for a in args if torch.is_tensor(a)), None)
                 if first is not None:
                     self._layer_inputs.setdefault(self._ptr(first), name)
@@ -105,7 +108,7 @@ class ActivationLedger:
             return t
         self._seen.add(ptr)
         module = self._stack[-1] if self._stack else ""
-        m = _LAYER.match(module)
+        m = self._layer_re.match(module)
         if m:
             layer, role = m.group(1), m.group(2) or ""
         elif ptr in self._layer_inputs:  # saved outside the layers: full recompute's kept input
