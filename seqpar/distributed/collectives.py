@@ -72,6 +72,13 @@ class CommCounter:
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
 
+    def wire_bytes(self, t: int) -> float:
+        """Bytes each rank sends with ring algorithms: ``(t-1)/t`` of an all-gather's or a
+        reduce-scatter's full tensor, ``2(t-1)/t`` of an all-reduce's (a reduce-scatter then an
+        all-gather)."""
+        factor = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0}
+        return sum(factor[k] * (t - 1) / t * n for k, n in self.bytes.items())
+
 
 _active_counters: list[CommCounter] = []
 
