@@ -1,4 +1,4 @@
-"""``seqpar`` command line: ``seqpar train | generate | memory ...``."""
+"""``seqpar`` command line: ``seqpar train | generate | memory | bench ...``."""
 from __future__ import annotations
 
 import importlib
@@ -8,6 +8,7 @@ COMMANDS = {
     "train": ("seqpar.train.launch", "train a GPT model (torchrun-compatible; --nproc-per-node starts torchrun)"),
     "generate": ("seqpar.train.generate", "print a sample from a checkpoint"),
     "memory": ("seqpar.memory.report", "activation memory per technique: paper formulas and measured bytes"),
+    "bench": ("seqpar.bench.cli", "seqpar vs Megatron-LM core vs PyTorch DTensor, measured side by side"),
 }
 
 

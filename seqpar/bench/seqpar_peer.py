@@ -1,0 +1,46 @@
+"""seqpar's own GPT as a benchmark peer."""
+from __future__ import annotations
+
+import torch
+
+from ..distributed.grad_sync import sync_sp_replicated_grads
+from ..distributed.mesh import ParallelMesh
+from ..memory.ledger import ActivationLedger
+from ..model import GPT, GPTConfig
+from .peer import BenchShape, Recompute
+
+
+def gpt_config(shape: BenchShape, recompute: Recompute, sequence_parallel: bool = True) -> GPTConfig:
+    """The benchmark shape as a seqpar GPTConfig (dropout 0, math attention, tied embeddings)."""
+    return GPTConfig(vocab_size=shape.vocab_size, seq_len=shape.seq_len, hidden=shape.hidden, heads=shape.heads,
+                     layers=shape.layers, dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
+                     recompute=recompute, dtype=shape.dtype, attention="math")
+
+
+def tp_mesh(tp_group, tp_rank: int, tp_size: int) -> ParallelMesh:
+    return ParallelMesh(tp_size=tp_size, dp_size=1, tp_rank=tp_rank, dp_rank=0, rank=tp_rank, world_size=tp_size,
+                        device=torch.device("cpu"), tp_group=tp_group)
+
+
+class SeqparPeer:
+    name = "seqpar"
+
+    def build(self, shape, dense_state, *, tp_group, tp_rank, tp_size, recompute, sequence_parallel=True):
+        self.model = GPT(gpt_config(shape, recompute, sequence_parallel), tp_mesh(tp_group, tp_rank, tp_size))
+        self.model.load_dense_state_dict(dense_state)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.0)
+
+    def step(self, tokens, labels) -> float:
+        loss = self.model(tokens, labels)
+        loss.backward()
+        sync_sp_replicated_grads(self.model, self.model.tp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    def saved_bytes_per_layer(self, tokens, labels) -> float:
+        with ActivationLedger(self.model) as ledger:
+            loss = self.model(tokens, labels)
+        del loss
+        per_layer = ledger.per_layer()
+        return sum(per_layer.values()) / len(per_layer)
