@@ -40,6 +40,15 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.p, self.kind, self.streams = config.attention_dropout, config.attention, streams
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        self._bias, self._bias_key = None, None
+
+    def _causal_bias(self, s: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[s, s]`` with -inf above the diagonal, 0 elsewhere; cached per shape/dtype/device."""
+        key = (s, dtype, device)
+        if self._bias_key != key:
+            self._bias = torch.full((s, s), float("-inf"), dtype=dtype, device=device).triu_(1)
+            self._bias_key = key
+        return self._bias
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, b, a, d = q.shape
@@ -52,8 +61,9 @@ class CoreAttention(nn.Module):
             qb = q.permute(1, 2, 0, 3).reshape(b * a, s, d)           # [b*a, s, d]
             kt = k.permute(1, 2, 3, 0).reshape(b * a, d, s)           # [b*a, d, s]
             vb = v.permute(1, 2, 0, 3).reshape(b * a, s, d)
-            scores = torch.bmm(qb, kt).mul_(self.scale)               # [b*a, s, s]
-            scores.add_(torch.full((s, s), float("-inf"), dtype=scores.dtype, device=scores.device).triu_(1))
+            # one fused op: causal bias + scale * QK^T (the bias is a broadcast view, never saved)
+            scores = torch.baddbmm(self._causal_bias(s, q.dtype, q.device).expand(b * a, s, s), qb, kt,
+                                   alpha=self.scale)                  # [b*a, s, s]
             probs = torch.softmax(scores, dim=-1)
             if p > 0:
                 probs, _ = torch.native_dropout(probs, p, True)        # keeps a 1-byte mask
