@@ -26,6 +26,11 @@ TERMS = {
 }
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor has no storage of its own: count its local shard."""
+    return getattr(t, "_local_tensor", t)
+
+
 def _refine(term: str, role: str, t: torch.Tensor) -> str:
     """Name the individual tensors inside modules that keep several."""
     if role in ("ln1", "ln2", "ln_f") and t.dim() and t.shape[-1] == 1:
@@ -33,7 +38,7 @@ def _refine(term: str, role: str, t: torch.Tensor) -> str:
     if role == "attn.core":
         if t.dtype == torch.bool:
             return "softmax dropout mask"
-        if t.dim() == 3 and t.shape[-1] == t.shape[-2]:
+        if t.dim() >= 3 and t.shape[-1] == t.shape[-2]:
             return "softmax output / softmax-dropout output"
         return "Q, K, V"
     return term
@@ -70,7 +75,7 @@ class ActivationLedger:
 
     @staticmethod
     def _ptr(t: torch.Tensor) -> int:
-        return t.untyped_storage().data_ptr()
+        return _local(t).untyped_storage().data_ptr()
 
     def __enter__(self) -> "ActivationLedger":
         self._skip = {self._ptr(p) for p in self.model.parameters()} | {self._ptr(b) for b in self.model.buffers()}
@@ -102,10 +107,11 @@ class ActivationLedger:
             self._stack.pop()
         return hook
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _pack(self, saved: torch.Tensor) -> torch.Tensor:
+        t = _local(saved)
         ptr = self._ptr(t)
         if ptr in self._skip or ptr in self._seen or t.untyped_storage().nbytes() == 0:
-            return t
+            return saved
         self._seen.add(ptr)
         module = self._stack[-1] if self._stack else ""
         m = self._layer_re.match(module)
@@ -117,7 +123,7 @@ class ActivationLedger:
             layer, role = None, module
         term = _refine(TERMS.get(role, role or "other"), role, t)
         self.records.append(SavedTensor(module, layer, term, tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
-        return t
+        return saved
 
     # ------------------------------------------------------------------ summaries
     def total(self) -> int:
