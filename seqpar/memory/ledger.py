@@ -80,7 +80,7 @@ class ActivationLedger:
     def __enter__(self) -> "ActivationLedger":
         self._skip = {self._ptr(p) for p in self.model.parameters()} | {self._ptr(b) for b in self.model.buffers()}
         for name, module in self.model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(self._pre(name)))
+            self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post(), always_call=True))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
         self._saved_hooks.__enter__()
@@ -93,11 +93,11 @@ class ActivationLedger:
         self._handles.clear()
 
     def _pre(self, name):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             self._stack.append(name)
             m = self._layer_re.match(name)
-            if m and m.group(2) is None:  # a transformer layer itself
-                first = next((a for a in args if torch.is_tensor(a)), None)
+            if m and m.group(2) is None:  # a transformer layer itself: remember its input
+                first = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
                 if first is not None:
                     self._layer_inputs.setdefault(self._ptr(first), name)
         return hook
