@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             proc.join()
     times["t=1"] = _single(args)
     base = statistics.median(times["t=2 TP"])
-    print(f"\n| config | median ms / step | min ms | ratio to t=2 TP |\n|---|---|---|---|")
+    print("\n| config | median ms / step | min ms | ratio to t=2 TP |\n|---|---|---|---|")
     for name in ("t=2 SP", "t=2 TP", "t=1"):
         med = statistics.median(times[name])
         print(f"| {name} | {med * 1e3:.2f} | {min(times[name]) * 1e3:.2f} | {med / base:.3f} |")

@@ -24,10 +24,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .distributed.collectives import ProcessGroup, all_gather_dim, check_group, chunk_of, group_size
+from .distributed.collectives import ProcessGroup, check_group, group_size
 from .distributed.grad_sync import install_sp_grad_hooks, mark_sp_replicated
 from .distributed.mesh import ParallelMesh
-from .distributed.regions import copy_to_tp, gather_from_sp, scatter_to_sp
+from .distributed.regions import copy_to_tp, gather_from_sp, gather_to_replicated, scatter_to_sp
 from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from .layers._init import skip_init
 
@@ -227,21 +227,6 @@ def _build(m: nn.Module, style: Style, group: ProcessGroup | None, sp: bool, seq
     return new
 
 
-class _GatherSeqToReplicated(torch.autograd.Function):
-    """Leave the SP region into a replicated one: all-gather ``[b, s/t, h] -> [b, s, h]``.
-    Backward keeps this rank's sequence chunk: downstream of here every rank computes the same
-    complete gradient (the inverse of ``scatter_to_sp``; the paper's g would sum it t times)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return all_gather_dim(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return chunk_of(grad, ctx.group, ctx.dim), None, None
-
-
 def _on_input(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
     """Forward pre-hook applying ``fn`` to a module's hidden states (first positional argument
     or ``hidden_states=``)."""
@@ -263,8 +248,8 @@ def _hooks(model: nn.Module, plan: Plan, entries: list[str], group: ProcessGroup
 
         def leave(module, args, out):  # [b, s/t, h] -> [b, s, h]
             if isinstance(out, tuple):
-                return (_GatherSeqToReplicated.apply(out[0], group, dim), *out[1:])
-            return _GatherSeqToReplicated.apply(out, group, dim)
+                return (gather_to_replicated(out[0], group, dim), *out[1:])
+            return gather_to_replicated(out, group, dim)
         handles.append(model.get_submodule(plan.sp_end).register_forward_hook(leave))
     enter = (lambda x: gather_from_sp(x, group, dim)) if sp else (lambda x: copy_to_tp(x, group))  # g or f
     for name in entries:

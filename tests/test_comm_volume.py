@@ -1,8 +1,6 @@
 """Paper §4.2.2: sequence parallelism moves the same bytes as tensor parallelism's all-reduces
 (4 all-gathers + 4 reduce-scatters instead of 4 all-reduces per layer), plus the backward
 re-gather of the two saved input shards."""
-import torch
-
 from distributed_harness import tp_group_of
 from gpt_helpers import batch, mesh_for, tiny_config
 from seqpar.distributed import count_comm

@@ -1,6 +1,5 @@
 """Parallel layers equal dense nn.Linear / F.embedding / F.cross_entropy, in fp64 and fp32."""
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 

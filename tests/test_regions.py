@@ -8,6 +8,7 @@ from seqpar.distributed import (
     count_comm,
     gather_from_sp,
     gather_from_tp,
+    gather_to_replicated,
     reduce_from_tp,
     reduce_scatter_to_sp,
     scatter_to_sp,
@@ -54,6 +55,10 @@ def _operators(rank, world):
     # scatter: keep own chunk forward, all-gather backward
     y, dx = _fwd_bwd(lambda v: scatter_to_sp(v, g), full, _val(rank, (2, 3, 2)))
     out["scatter"] = (torch.equal(y, full[2 * rank:2 * rank + 2]), torch.equal(dx, exp_dx))
+    # gather_to_replicated: all-gather seq forward, own chunk of the replicated grad backward
+    y, dx = _fwd_bwd(lambda v: gather_to_replicated(v, g), _val(rank, (2, 3, 2)), _val(0, (2 * t, 3, 2)))
+    out["to_replicated"] = (torch.equal(y, torch.cat([_val(r, (2, 3, 2)) for r in range(t)], 0)),
+                            torch.equal(dx, _val(0, (2 * t, 3, 2))[2 * rank:2 * rank + 2]))
     # gather_from_tp: all-gather last dim forward, own chunk backward
     y, dx = _fwd_bwd(lambda v: gather_from_tp(v, g), _val(rank, (3, 2)), _val(rank, (3, 2 * t)))
     out["gather_tp"] = (torch.equal(y, torch.cat([_val(r, (3, 2)) for r in range(t)], -1)),

@@ -16,6 +16,7 @@ gather_from_sp   (g)   all-gather along seq        reduce-scatter along seq
 reduce_scatter_to_sp   reduce-scatter along seq    all-gather along seq
                  (ḡ)
 scatter_to_sp          keep own seq chunk          all-gather along seq
+gather_to_replicated   all-gather along seq        keep own seq chunk
 gather_from_tp         all-gather along last dim   keep own chunk of last dim
 split_to_tp            keep own chunk of last dim  all-gather along last dim
 =====================  ==========================  ===============================
@@ -103,6 +104,20 @@ class _ScatterToSP(torch.autograd.Function):
         return all_gather_dim(grad, ctx.group, ctx.seq_dim), None, None
 
 
+class _GatherToReplicated(torch.autograd.Function):
+    """Leave the SP region into a replicated one: all-gather the sequence; backward keeps own chunk
+    (downstream every rank computes the same complete gradient; g's reduce-scatter would sum it t times)."""
+
+    @staticmethod
+    def forward(ctx, x, group, seq_dim):
+        ctx.group, ctx.seq_dim = group, seq_dim
+        return all_gather_dim(x, group, seq_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return chunk_of(grad, ctx.group, ctx.seq_dim), None, None
+
+
 class _GatherFromTP(torch.autograd.Function):
     """All-gather the last dim ``[..., h/t] -> [..., h]``; backward keeps own chunk."""
 
@@ -178,6 +193,15 @@ def scatter_to_sp(x: torch.Tensor, group: ProcessGroup | None, seq_dim: int = 0)
     return _ScatterToSP.apply(x, group, seq_dim)
 
 
+def gather_to_replicated(x: torch.Tensor, group: ProcessGroup | None, seq_dim: int = 0) -> torch.Tensor:
+    """Inverse of :func:`scatter_to_sp`. Forward: all-gather along ``seq_dim`` into a tensor every
+    rank holds in full. Backward: keep this rank's chunk of the (replicated) gradient."""
+    if group_size(group) == 1:
+        return x
+    _check_dim(x, seq_dim, 1, "gather_to_replicated")
+    return _GatherToReplicated.apply(x, group, seq_dim)
+
+
 def gather_from_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Forward: all-gather along the last dim (``[..., h/t] -> [..., h]``).
     Backward: keep this rank's chunk of the last dim."""
@@ -202,6 +226,7 @@ __all__ = [
     "gather_from_sp",
     "reduce_scatter_to_sp",
     "scatter_to_sp",
+    "gather_to_replicated",
     "gather_from_tp",
     "split_to_tp",
 ]

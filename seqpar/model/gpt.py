@@ -134,7 +134,6 @@ class GPT(nn.Module):
         self._check_tokens(tokens)
         if labels is not None and labels.shape != tokens.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal tokens shape {tuple(tokens.shape)}")
-        s = tokens.shape[1]
         sp = self.config.sequence_parallel
         x = self.wte(tokens.t())                                    # [s/t, b, h] (SP) or [s, b, h]
         n = x.shape[0]

@@ -126,7 +126,7 @@ def train(cfg: RunConfig, *, mesh: ParallelMesh | None = None) -> dict:
     stop = _StopRequest()
     history = {"steps": [], "losses": [], "eval": [], "checkpoint": None}
     act_bytes = None
-    last_log, window_t = time.perf_counter(), 0.0
+    window_t = 0.0
 
     def save(step: int) -> None:
         extra = {"data": batches.state_dict(), "tp": mesh.tp_size, "dp": dp}
@@ -179,7 +179,8 @@ def train(cfg: RunConfig, *, mesh: ParallelMesh | None = None) -> dict:
                 logger.log(done, {"loss": loss_val, "lr": lr, "grad norm": gnorm,
                                   "tokens/s": round(tokens_per_step / dt), "TFLOP/s": per_dev / 1e12,
                                   "MFU": per_dev / peak if peak else None})
-                logger.print(f"           memory: {mem}") if done == tc.log_interval else None
+                if mesh.device.type == "cuda" or done == tc.log_interval:  # the CPU figure is measured once
+                    logger.print(f"           memory: {mem}")
                 window_t = 0.0
             if evals and tc.eval_interval > 0 and (done % tc.eval_interval == 0 or done == tc.steps):
                 ev = evaluate(model, evals, autocast)
