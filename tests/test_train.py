@@ -152,6 +152,22 @@ def test_killed_rank_then_restart_resumes_and_sigterm_saves(tmp_path):
     assert int(complete_checkpoints(tmp_path / "ckpt")[-1].name.split("_")[1]) > saved
 
 
+def test_torchrun_restarts_a_killed_rank_in_place_and_resumes(tmp_path):
+    ov = _overrides(tmp_path, **{"parallel.tp": 2, "train.steps": 400, "checkpoint.interval": 5,
+                                 "checkpoint.resume": "auto", "train.log_interval": 1})
+    log = tmp_path / "torchrun.log"
+    proc = _torchrun(tmp_path, ov, log, restarts=1)
+    _wait(lambda: complete_checkpoints(tmp_path / "ckpt"), proc, log, "a first checkpoint")
+    os.kill(_workers(proc)[1], signal.SIGKILL)  # torchrun restarts the whole worker group
+    _wait(lambda: "resumed from" in log.read_text() and
+          "step" in log.read_text().split("resumed from")[-1], proc, log, "a resumed training step")
+    for pid in _workers(proc):
+        os.kill(pid, signal.SIGTERM)
+    proc.wait(timeout=120)
+    out = log.read_text()
+    assert "SIGTERM received: checkpoint written at step" in out and proc.returncode == 0, out[-3000:]
+
+
 def test_cli_rejects_bad_config_before_starting(capsys):
     from seqpar.cli import main
     assert main(["train", "train.stepz=3"]) == 2

@@ -70,6 +70,17 @@ def validate_layout(tp: int, dp: int | None, world_size: int) -> int:
     return dp
 
 
+def _restart_scoped_store(world_size: int, timeout: timedelta) -> dict:
+    """Under torchrun the workers share the agent's TCPStore across restarts, and the default
+    process group's keys are not scoped by restart: a restarted rank can read a dead peer's
+    address and fail to connect. Scoping the keys by ``TORCHELASTIC_RESTART_COUNT`` avoids it."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=False, timeout=timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dict(store=dist.PrefixStore(f"seqpar/restart{restart}", store), rank=int(os.environ["RANK"]),
+                world_size=world_size)
+
+
 def init_parallel(tp: int = 1, dp: int | None = None, *, rank: int | None = None,
                   world_size: int | None = None, init_method: str | None = None,
                   backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelMesh:
@@ -98,7 +109,9 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, rank: int | None = None
     if not dist.is_initialized():
         backend = backend or ("nccl" if cuda else "gloo")
         kwargs: dict = dict(backend=backend, timeout=timeout)
-        if init_method is not None:
+        if init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            kwargs.update(_restart_scoped_store(world_size, timeout))
+        elif init_method is not None:
             kwargs.update(init_method=init_method, rank=rank if rank is not None else int(os.environ.get("RANK", "0")),
                           world_size=world_size)
         if cuda:
