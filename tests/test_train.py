@@ -174,3 +174,24 @@ def test_cli_rejects_bad_config_before_starting(capsys):
     assert "unknown key 'train.stepz'" in capsys.readouterr().err
     assert main(["train", "model.heads=3", "model.hidden=33", "parallel.tp=2"]) == 2
     assert "heads (3)" in capsys.readouterr().err
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned",))
+
+
+def test_checkpoint_metadata_cannot_run_code(tmp_path):
+    import pickle
+
+    from seqpar.train.checkpoint import SafeReader
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        SafeReader(tmp_path).read_metadata()
+
+
+def test_bf16_autocast_on_cpu_trains(spawn, tmp_path):
+    ov = _overrides(tmp_path, **{"parallel.tp": 2, "train.steps": 6, "train.autocast": "bf16",
+                                 "model.recompute": "selective"})
+    losses = spawn(_train, 2, ov, 2, 1)[0]["losses"]
+    assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0]
