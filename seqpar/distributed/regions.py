@@ -104,14 +104,9 @@ class _ScatterToSP(torch.autograd.Function):
         return all_gather_dim(grad, ctx.group, ctx.seq_dim), None, None
 
 
-class _GatherToReplicated(torch.autograd.Function):
-    """Leave the SP region into a replicated one: all-gather the sequence; backward keeps own chunk
-    (downstream every rank computes the same complete gradient; g's reduce-scatter would sum it t times)."""
-
-    @staticmethod
-    def forward(ctx, x, group, seq_dim):
-        ctx.group, ctx.seq_dim = group, seq_dim
-        return all_gather_dim(x, group, seq_dim)
+class _GatherToReplicated(_GatherFromSP):
+    """Leave the SP region into a replicated one: all-gather the sequence (as g); backward keeps own
+    chunk (downstream every rank computes the same complete gradient; g's reduce-scatter would sum it t times)."""
 
     @staticmethod
     def backward(ctx, grad):
