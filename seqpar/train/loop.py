@@ -125,7 +125,7 @@ def train(cfg: RunConfig, *, mesh: ParallelMesh | None = None) -> dict:
             corpus.tokenizer.save(str(attachments["tokenizer.json"]))
     stop = _StopRequest()
     history = {"steps": [], "losses": [], "eval": [], "checkpoint": None}
-    act_bytes = None
+    act_bytes, mem_shown = None, False
     window_t = 0.0
 
     def save(step: int) -> None:
@@ -179,8 +179,9 @@ def train(cfg: RunConfig, *, mesh: ParallelMesh | None = None) -> dict:
                 logger.log(done, {"loss": loss_val, "lr": lr, "grad norm": gnorm,
                                   "tokens/s": round(tokens_per_step / dt), "TFLOP/s": per_dev / 1e12,
                                   "MFU": per_dev / peak if peak else None})
-                if mesh.device.type == "cuda" or done == tc.log_interval:  # the CPU figure is measured once
+                if mesh.device.type == "cuda" or not mem_shown:  # the CPU figure is measured once
                     logger.print(f"           memory: {mem}")
+                    mem_shown = True
                 window_t = 0.0
             if evals and tc.eval_interval > 0 and (done % tc.eval_interval == 0 or done == tc.steps):
                 ev = evaluate(model, evals, autocast)
