@@ -19,6 +19,7 @@ import json
 import os
 import pickle
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,8 @@ def load_model_only(path: str | Path, model) -> dict:
     """Load just the model weights (any TP size; works without a process group)."""
     path = Path(path)
     dense = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.dense_state_dict().items()}
-    dcp.load({"model": dense}, storage_reader=SafeReader(path), no_dist=not dist.is_initialized())
+    with warnings.catch_warnings():  # one process without a process group is the intent here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": dense}, storage_reader=SafeReader(path), no_dist=not dist.is_initialized())
     model.load_dense_state_dict(dense)
     return json.loads((path / "extra.json").read_text())
