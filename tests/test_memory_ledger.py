@@ -30,6 +30,8 @@ def _table2(rank, world):
         for i, shape in enumerate(SHAPES):
             for row, (sp, rc) in ROWS.items():
                 out[(t, i, row)] = _measure(shape, t, group, sp, rc)
+            # full recompute under SP keeps only the block input's sequence shard: 2sbh/t
+            out[(t, i, "full_sp")] = _measure(shape, t, group, True, "full")
             # fused attention (flash kernel: no attention dropout) with SP and no recompute at all
             out[(t, i, "sdpa")] = _measure(shape, t, group, True, "none", "sdpa", attention_dropout=0.0)
     return out
@@ -39,6 +41,10 @@ def test_measured_bytes_per_layer_match_table_2(spawn):
     res = spawn(_table2, 4)
     for rank, r in enumerate(res):
         for (t, i, row), per_layer in r.items():
+            if row == "full_sp":
+                sh = SHAPES[i]
+                assert all(v == 2 * sh["s"] * sh["b"] * sh["h"] // t for v in per_layer.values()), (t, i, per_layer)
+                continue
             if row == "sdpa":  # beyond the paper: selective-recompute memory without recomputing
                 sbh_t = SHAPES[i]["s"] * SHAPES[i]["b"] * SHAPES[i]["h"] / t
                 assert all(v <= 36 * sbh_t for v in per_layer.values()), (t, i, per_layer)
