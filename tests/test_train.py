@@ -65,6 +65,15 @@ def test_layouts_give_the_same_loss_curve(spawn, tmp_path):
     np.testing.assert_allclose(ref_dp[0]["losses"], ref, rtol=1e-4, atol=1e-4)
 
 
+def test_gradient_accumulation_with_dp_matches_one_rank(spawn, tmp_path):
+    # 2 micro-batches per step; DDP reduces over dp only on the last one (no_sync before)
+    common = {"model.sequence_parallel": False, "train.global_batch": 8, "train.steps": 10}
+    one = spawn(_train, 1, _overrides(tmp_path, **common, **{"train.micro_batch": 4}), 1, 1)[0]["losses"]
+    dp2 = spawn(_train, 2, _overrides(tmp_path, **common, **{"train.micro_batch": 2}), 1, 2)[0]["losses"]
+    assert len(one) == 10
+    np.testing.assert_allclose(dp2, one, rtol=1e-4, atol=1e-4)
+
+
 def test_resume_is_exact_and_reshards(spawn, tmp_path):
     full = _overrides(tmp_path, **{"parallel.tp": 2, "checkpoint.interval": 10, "checkpoint.keep": 3,
                                    "checkpoint.resume": "auto",
