@@ -2,7 +2,6 @@
 import torch
 
 from seqpar.distributed import ParallelMesh, sync_sp_replicated_grads
-from seqpar.distributed.collectives import group_rank, group_size
 from seqpar.model import GPT, GPTConfig
 
 
@@ -15,9 +14,7 @@ def tiny_config(**kw) -> GPTConfig:
 
 def mesh_for(group) -> ParallelMesh:
     """A mesh whose TP group is ``group`` (tests build groups directly)."""
-    t = group_size(group)
-    return ParallelMesh(tp_size=t, dp_size=1, tp_rank=group_rank(group), dp_rank=0, rank=0, world_size=t,
-                        device=torch.device("cpu"), tp_group=group)
+    return ParallelMesh.for_tp_group(group)
 
 
 def batch(cfg: GPTConfig, b: int = 2, seed: int = 0):

@@ -11,25 +11,17 @@ from distributed_harness import tp_group_of
 from seqpar import init_parallel
 from seqpar.distributed import RNGStreams, capture_rng, replay_rng
 from seqpar.distributed.mesh import validate_layout
+from seqpar.memory import ActivationLedger
 from seqpar.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 S, B, H = 8, 2, 16
 
 
-def _saved_bytes(fn, *params):
-    """Bytes of distinct storages saved for backward by ``fn()``, parameters excluded."""
-    skip = {p.untyped_storage().data_ptr() for p in params}
-    seen = {}
-
-    def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
+def _saved_bytes(module, x):
+    """Bytes of distinct storages ``module(x)`` saves for backward, parameters excluded."""
+    with ActivationLedger(module) as ledger:
+        module(x)
+    return ledger.total()
 
 
 class _CountCopies(TorchDispatchMode):
@@ -59,7 +51,7 @@ def _contracts(rank, world):
     for sp in (True, False):
         col = ColumnParallelLinear(H, 4 * H, tp_group=group, sequence_parallel=sp)
         x = torch.randn((S // t if sp else S), B, H, requires_grad=True)
-        out[("saved", sp)] = (_saved_bytes(lambda: col(x), col.weight, col.bias), x.numel() * x.element_size())
+        out[("saved", sp)] = (_saved_bytes(col, x), x.numel() * x.element_size())
     # 1b. the SP MLP adds no tensor copies beyond the collectives' own buffers
     col = ColumnParallelLinear(H, 4 * H, tp_group=group, sequence_parallel=True)
     row = RowParallelLinear(4 * H, H, tp_group=group, sequence_parallel=True)

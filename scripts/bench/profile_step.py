@@ -19,7 +19,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from seqpar.bench.peer import BenchShape
 from seqpar.bench.runner import _batch, load_peer
-from seqpar.bench.seqpar_peer import gpt_config, tp_mesh
+from seqpar.bench.seqpar_peer import gpt_config
+from seqpar.distributed.mesh import ParallelMesh
 from seqpar.model import GPT
 
 
@@ -28,7 +29,7 @@ def _entry(rank, world, init_file, args):
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     shape = BenchShape(seq_len=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers)
     tokens, labels = _batch(shape, 0)
-    dense = GPT(gpt_config(shape, "none"), tp_mesh(dist.group.WORLD, rank, world), seed=0).dense_state_dict()
+    dense = GPT(gpt_config(shape, "none"), ParallelMesh.for_tp_group(dist.group.WORLD), seed=0).dense_state_dict()
     for name in args.systems.split(","):
         peer = load_peer(name)
         peer.build(shape, dense, tp_group=dist.group.WORLD, tp_rank=rank, tp_size=world, recompute=args.recompute)

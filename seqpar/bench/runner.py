@@ -22,7 +22,8 @@ import torch.multiprocessing as mp
 from ..distributed.collectives import count_comm
 from ..model import GPT
 from .peer import BenchShape
-from .seqpar_peer import gpt_config, tp_mesh
+from ..distributed.mesh import ParallelMesh
+from .seqpar_peer import gpt_config
 
 PEERS = {
     "seqpar": "seqpar.bench.seqpar_peer:SeqparPeer",
@@ -66,11 +67,11 @@ def measure(shape: BenchShape, systems: list[str], recomputes: list[str], *, rep
     configuration. Returns the results plus seqpar's per-step communication (SP vs plain TP)."""
     group, rank, t = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
     tokens, labels = _batch(shape, 0)
-    reference = GPT(gpt_config(shape, "none"), tp_mesh(group, rank, t), seed=0)
+    reference = GPT(gpt_config(shape, "none"), ParallelMesh.for_tp_group(group), seed=0)
     dense = reference.dense_state_dict()
     comm = {}
     for sp in (True, False):  # seqpar's own traffic per training step: SP against plain TP
-        model = GPT(gpt_config(shape, "none", sequence_parallel=sp), tp_mesh(group, rank, t))
+        model = GPT(gpt_config(shape, "none", sequence_parallel=sp), ParallelMesh.for_tp_group(group))
         model.load_dense_state_dict(dense)
         with count_comm() as c:
             model(tokens, labels).backward()

@@ -17,16 +17,11 @@ def gpt_config(shape: BenchShape, recompute: Recompute, sequence_parallel: bool 
                      recompute=recompute, dtype=shape.dtype, attention="math")
 
 
-def tp_mesh(tp_group, tp_rank: int, tp_size: int) -> ParallelMesh:
-    return ParallelMesh(tp_size=tp_size, dp_size=1, tp_rank=tp_rank, dp_rank=0, rank=tp_rank, world_size=tp_size,
-                        device=torch.device("cpu"), tp_group=tp_group)
-
-
 class SeqparPeer:
     name = "seqpar"
 
     def build(self, shape, dense_state, *, tp_group, tp_rank, tp_size, recompute, sequence_parallel=True):
-        self.model = GPT(gpt_config(shape, recompute, sequence_parallel), tp_mesh(tp_group, tp_rank, tp_size))
+        self.model = GPT(gpt_config(shape, recompute, sequence_parallel), ParallelMesh.for_tp_group(tp_group))
         self.model.load_dense_state_dict(dense_state)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.0)
 

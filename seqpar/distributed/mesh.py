@@ -40,6 +40,16 @@ class ParallelMesh:
         """A one-rank mesh that needs no process group (notebooks, plain scripts)."""
         return cls(1, 1, 0, 0, 0, 1, torch.device(device))
 
+    @classmethod
+    def for_tp_group(cls, tp_group: dist.ProcessGroup | None, device: str | torch.device = "cpu") -> "ParallelMesh":
+        """A TP-only mesh around an existing group (tests, benchmarks, callers that made their own
+        groups): ``dp = 1``, TP rank and size read from ``tp_group``."""
+        from .collectives import group_rank, group_size
+        t = group_size(tp_group)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return cls(tp_size=t, dp_size=1, tp_rank=group_rank(tp_group), dp_rank=0, rank=rank, world_size=t,
+                   device=torch.device(device), tp_group=tp_group if t > 1 else None)
+
     @property
     def is_first(self) -> bool:
         """True on global rank 0, the rank that prints and writes shared files."""
