@@ -1,12 +1,14 @@
 """Strict nested-dataclass config loading: types, unknown keys, precedence, round trip."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 import pytest
 
-from seqpar.config_loader import ConfigError, dump_yaml, from_dict, load, merge, parse_overrides, to_dict
+from seqpar.config import (ConfigError, dump_yaml, from_dict, load, load_run_config, load_sections, merge,
+                           parse_overrides, resolve_config, shipped_configs, shipped_dir, to_dict)
 
 
 @dataclass
@@ -167,3 +169,50 @@ def test_to_dict_and_yaml_round_trip(tmp_path):
     path.write_text(dump_yaml(cfg))
     assert load(Config, path) == cfg
     assert dump_yaml(cfg).splitlines()[0] == "name: rt"
+
+
+def test_load_sections_checks_named_sections_and_ignores_others(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model:\n  layers: 4\ntrain:\n  lr: 3e-4\noptim:\n  anything: 1\n")
+    out = load_sections(path, {"model": Model, "train": Train}, required={"model": ["layers"]})
+    assert out == {"model": Model(layers=4), "train": Train(lr=3e-4)}
+    path.write_text("model:\n  layer: 4\n")
+    with pytest.raises(ConfigError, match=r"run\.yaml: unknown key 'model\.layer'"):
+        load_sections(path, {"model": Model})
+    path.write_text("model:\n  hidden: 33\n")  # Model.validate() runs; the message names the file
+    with pytest.raises(ConfigError, match=r"run\.yaml: model\.hidden must be even, got 33"):
+        load_sections(path, {"model": Model})
+    with pytest.raises(ConfigError, match=r"missing config key 'model\.layers'"):
+        load_sections(path, {"model": Model}, required={"model": ["layers"]})
+    with pytest.raises(ConfigError, match=r"missing config key 'train'"):
+        load_sections(path, {"model": Model}, required={"train": ["lr"]})
+
+
+def test_shipped_configs_resolve_by_name_from_any_directory(tmp_path, monkeypatch):
+    names = shipped_configs()
+    assert {"tiny-cpu", "memory-demo", "paper/22b", "paper/175b", "paper/530b", "paper/1t"} <= set(names)
+    monkeypatch.chdir(tmp_path)  # no configs/ here: only the packaged files can answer
+    tiny = resolve_config("tiny-cpu")
+    assert tiny == shipped_dir() / "tiny-cpu.yaml" and tiny.is_file()
+    for alias in ("tiny-cpu.yaml", "configs/tiny-cpu.yaml", "./configs/tiny-cpu.yml"):
+        assert resolve_config(alias) == tiny
+    assert resolve_config("paper/175b") == shipped_dir() / "paper" / "175b.yaml"
+    assert load_run_config("tiny-cpu", ["train.steps=3"]) == load_run_config(tiny, ["train.steps=3"])
+    assert load_run_config("tiny-cpu").parallel.tp == 2
+
+
+def test_existing_files_win_and_unknown_names_list_the_shipped_ones(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-cpu").write_text("train:\n  steps: 7\n")  # a local file shadows the shipped name
+    assert load_run_config("tiny-cpu").train.steps == 7
+    with pytest.raises(FileNotFoundError, match=r"'tiny-gpu' is neither .* shipped configs: .*paper/175b.*tiny-cpu"):
+        load_run_config("tiny-gpu")
+    missing = tmp_path / "sub" / "tiny-cpu.yaml"  # an absolute path never falls back to a shipped name
+    with pytest.raises(FileNotFoundError, match=re.escape(str(missing))):
+        load_run_config(missing)
+
+
+def test_every_shipped_run_config_loads_strictly():
+    for name in shipped_configs():
+        if not name.startswith("paper/"):  # paper/ models use pp > 1: memory planning only
+            load_run_config(name)

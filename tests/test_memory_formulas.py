@@ -161,3 +161,11 @@ def test_validation_errors(tmp_path):
     bad.write_text("model: {seq_len: 8}\ntrain: {micro_batch: 1}\n")
     with pytest.raises(ValueError, match="missing config key"):
         load_shape(bad)
+
+
+def test_load_shape_uses_the_strict_loader(tmp_path):
+    cfg = tmp_path / "m.yaml"
+    cfg.write_text("model: {seq_len: 8, hidden: 8e3, heads: 2, layers: 1, vocab_size: 8}\ntrain: {micro_batch: 1}\n")
+    with pytest.raises(ValueError, match=r"m\.yaml: model\.hidden: expected int, got 8000\.0"):
+        load_shape(cfg)
+    assert load_shape("paper/22b") == paper_shapes()["22B"]  # a shipped config by name

@@ -86,3 +86,23 @@ def test_measure_checks_divisibility_before_spawning(tmp_path, capsys):
     assert main([str(cfg), "--measure"]) == 2
     err = capsys.readouterr().err
     assert str(cfg) in err and "t=3" in err
+
+
+def test_configs_are_loaded_strictly(tmp_path, capsys):
+    cfg = tmp_path / "typo.yaml"
+    cfg.write_text(yaml.safe_dump({**TINY, "model": {**TINY["model"], "hiden": 64}}))
+    assert main([str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert str(cfg) in err and "unknown key 'model.hiden'" in err
+    cfg.write_text(yaml.safe_dump({**TINY, "parallel": {"tp": "two"}}))
+    assert main([str(cfg)]) == 2
+    assert "parallel.tp: expected int, got 'two'" in capsys.readouterr().err
+
+
+def test_shipped_configs_by_name(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)  # no configs/ directory here
+    assert main(["memory-demo", "paper/175b"]) == 0
+    assert list(_sections(capsys.readouterr().out)) == ["MEMORY-DEMO", "175B"]
+    assert main(["no-such-config"]) == 2
+    err = capsys.readouterr().err
+    assert "'no-such-config'" in err and "memory-demo" in err and "paper/175b" in err

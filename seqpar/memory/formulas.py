@@ -6,7 +6,8 @@ Activations are 16-bit (2 bytes per element), dropout masks 1 byte per element; 
 statistics and other small buffers are ignored, as in the paper.
 
 Everything is computed with exact rationals and returned as an ``int`` when the byte count is
-whole, else a ``float``. Pure Python: no torch needed.
+whole, else a ``float``; the formulas themselves are pure Python. ``load_shape`` reads a run
+config's ``model`` / ``parallel`` / ``train`` sections through the strict config loader.
 """
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 from typing import Literal, get_args
+
+from .. import config
+from ..config import ParallelConfig, TrainConfig, resolve_config, shipped_dir
+from ..model.config import GPTConfig
 
 Technique = Literal["none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "full"]
 TECHNIQUES: tuple[Technique, ...] = get_args(Technique)
@@ -199,45 +204,46 @@ def gib(n_bytes: Number) -> float:
     return float(Fraction(n_bytes) / GIB)
 
 
-def load_shape(path: str | Path) -> ModelShape:
-    """Read a ``ModelShape`` from a YAML config (``model``, ``parallel``, ``train`` sections).
+# keys a config must set itself for the formulas (a default vocabulary or batch would mislead)
+SHAPE_KEYS = {"model": ("seq_len", "hidden", "heads", "layers", "vocab_size"), "train": ("micro_batch",)}
 
-    The name is the file stem upper-cased (``configs/paper/175b.yaml`` -> ``"175B"``); keys
-    other than the ones read here are ignored.
+
+def load_sections(path: str | Path) -> tuple[Path, dict]:
+    """The resolved path and the ``model`` / ``parallel`` / ``train`` sections of a run config.
+
+    ``path`` is a YAML file or a shipped config's name (``paper/175b``). Each section is checked by
+    the strict loader (unknown keys and wrong types name the dotted key); other sections are ignored.
     """
-    import yaml
+    path = resolve_config(path)
+    schema = {"model": GPTConfig, "parallel": ParallelConfig, "train": TrainConfig}
+    return path, config.load_sections(path, schema, SHAPE_KEYS)
 
-    path = Path(path)
-    with path.open() as f:
-        cfg = yaml.safe_load(f) or {}
-    try:
-        model, par, train = cfg["model"], cfg.get("parallel", {}), cfg["train"]
-        return ModelShape(
-            name=path.stem.upper(),
-            s=model["seq_len"], b=train["micro_batch"], h=model["hidden"], a=model["heads"],
-            L=model["layers"], v=model["vocab_size"], t=par.get("tp", 1), p=par.get("pp", 1),
-            m=par.get("virtual_stages", 1),
-        )
-    except KeyError as e:
-        raise ValueError(f"{path}: missing config key {e.args[0]!r}") from None
+
+def shape_of(name: str, sections: dict) -> ModelShape:
+    """The ``ModelShape`` of the sections returned by :func:`load_sections`."""
+    model, par, train = sections["model"], sections["parallel"], sections["train"]
+    return ModelShape(name=name, s=model.seq_len, b=train.micro_batch, h=model.hidden, a=model.heads,
+                      L=model.layers, v=model.vocab_size, t=par.tp, p=par.pp, m=par.virtual_stages)
+
+
+def load_shape(path: str | Path) -> ModelShape:
+    """Read a ``ModelShape`` from a run config (``model``, ``parallel``, ``train`` sections).
+
+    The name is the file stem upper-cased (``configs/paper/175b.yaml`` -> ``"175B"``).
+    """
+    path, sections = load_sections(path)
+    return shape_of(path.stem.upper(), sections)
 
 
 PAPER_MODELS: tuple[str, ...] = ("22b", "175b", "530b", "1t")
 
 
 def paper_config_dir() -> Path:
-    """The repository's ``configs/paper`` directory (next to the ``seqpar`` package)."""
-    return Path(__file__).resolve().parents[2] / "configs" / "paper"
+    """The shipped ``configs/paper`` directory (package data, present in an installed wheel too)."""
+    return shipped_dir() / "paper"
 
 
 def paper_shapes() -> dict[str, ModelShape]:
     """The four Table 3 models keyed by name ("22B", "175B", "530B", "1T"), from configs/paper."""
-    root = paper_config_dir()
-    missing = [n for n in PAPER_MODELS if not (root / f"{n}.yaml").is_file()]
-    if missing:
-        raise FileNotFoundError(
-            f"paper configs {[f'{n}.yaml' for n in missing]} not found under {root}; "
-            "paper_shapes() needs a source checkout of seqpar (use load_shape(path) otherwise)"
-        )
-    shapes = [load_shape(root / f"{n}.yaml") for n in PAPER_MODELS]
+    shapes = [load_shape(paper_config_dir() / f"{n}.yaml") for n in PAPER_MODELS]
     return {s.name: s for s in shapes}

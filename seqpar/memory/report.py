@@ -18,9 +18,10 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
-from ..config_loader import read_yaml
+from ..model.config import GPTConfig
 from .formulas import (PAPER_MODELS, ModelShape, Technique, bytes_per_layer, extra_bytes, gib,
-                       interleave_factor, load_shape, paper_config_dir, per_gpu_bytes, ratio_to_tp)
+                       interleave_factor, load_sections, paper_config_dir, per_gpu_bytes, ratio_to_tp,
+                       shape_of)
 
 # Table 2 row -> (label, GPTConfig.sequence_parallel, GPTConfig.recompute) that realises it
 ROWS: dict[Technique, tuple[str, bool, str]] = {
@@ -38,7 +39,7 @@ class Entry:
     """One model of the report: its shape for the formulas and its ``model:`` section."""
 
     shape: ModelShape
-    model: dict  # GPTConfig fields, as in the YAML file
+    model: GPTConfig  # the file's model section, checked by the strict loader
     path: Path
 
 
@@ -57,17 +58,15 @@ def human(n: float, unit: str | None = None) -> str:
 
 
 def load_entry(path: str | Path, micro_batch: int | None = None, tp: int | None = None) -> Entry:
-    """Read a config (``model``, ``parallel``, ``train`` sections; others ignored), with overrides."""
-    path = Path(path)
-    data = read_yaml(path)  # names the path when it is missing or not YAML
-    if not isinstance(data.get("model"), dict):
-        raise ValueError(f"{path}: needs a 'model:' mapping of GPTConfig fields, got {data.get('model')!r}")
-    shape = load_shape(path)
+    """Read a config file or shipped config name (``model``, ``parallel``, ``train`` sections, checked
+    strictly; others ignored), with overrides. Errors name the path."""
+    path, sections = load_sections(path)
+    shape = shape_of(path.stem.upper(), sections)
     if micro_batch is not None:
         shape = dataclasses.replace(shape, b=micro_batch)
     if tp is not None:
         shape = dataclasses.replace(shape, t=tp)
-    return Entry(shape, dict(data["model"]), path)
+    return Entry(shape, sections["model"], path)
 
 
 def estimate_bytes(e: Entry) -> int:
@@ -76,7 +75,7 @@ def estimate_bytes(e: Entry) -> int:
     Weights count in full on every rank: each rank builds the master tensor before slicing it.
     """
     s, b, h, a, L, v, t = (getattr(e.shape, k) for k in ("s", "b", "h", "a", "L", "v", "t"))
-    ffn = e.model.get("ffn_hidden") or 4 * h
+    ffn = e.model.ffn_hidden
     params = L * (4 * h * h + 2 * h * ffn) + (v + s) * h
     acts = bytes_per_layer("tp", s=s, b=b, h=h, a=a, t=t) * L + sum(extra_bytes(s=s, b=b, h=h, v=v, t=t, p=1).values())
     return int(t * (acts + 2 * params))
@@ -105,20 +104,18 @@ def table(shape: ModelShape, measured: dict[str, int] | None = None) -> str:
     return "\n".join(lines)
 
 
-def _rank_main(rank: int, t: int, model: dict, b: int, run_dir: str) -> None:
+def _rank_main(rank: int, t: int, base: GPTConfig, b: int, run_dir: str) -> None:
     """One gloo rank: build the model once per technique and record each layer's saved bytes."""
     import torch
     import torch.distributed as dist
 
-    from ..config_loader import from_dict
     from ..distributed import init_parallel
-    from ..model import GPT, GPTConfig
+    from ..model import GPT
     from .ledger import ActivationLedger
 
     torch.set_num_threads(1)  # t ranks share this machine's cores
     mesh = init_parallel(tp=t, rank=rank, world_size=t, init_method=f"file://{run_dir}/rendezvous",
                          backend="gloo", timeout=RANK_TIMEOUT)
-    base = from_dict(GPTConfig, model, where="model")
     out: dict[str, list[int]] = {}
     try:
         for i, (tech, (label, sp, recompute)) in enumerate(ROWS.items()):
@@ -180,13 +177,10 @@ def plot(shapes: Sequence[ModelShape], path: str | Path) -> None:
 
 
 def _check_measurable(entries: Sequence[Entry]) -> None:
-    """Validate each ``model:`` section as a GPTConfig for its t before any rank is spawned."""
-    from ..config_loader import from_dict
-    from ..model import GPTConfig
-
+    """Check each model's dimensions against its t before any rank is spawned."""
     for e in entries:
+        cfg = e.model
         try:
-            cfg = from_dict(GPTConfig, e.model, where="model")
             dataclasses.replace(cfg, sequence_parallel=True).check_parallel(e.shape.t)
         except ValueError as ex:
             raise ValueError(f"{e.path}: {ex}") from None
@@ -199,7 +193,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seqpar memory", description=(
         "Activation memory per technique: Table 2 bytes per layer, per GPU (Figure 1) and relative to "
         "the TP baseline (Figure 7); --measure adds the bytes a small model keeps on t gloo ranks."))
-    p.add_argument("configs", nargs="*", type=Path, help="model YAML files (model/parallel/train sections)")
+    p.add_argument("configs", nargs="*", type=Path, help="model YAML files (model/parallel/train sections) "
+                   "or shipped config names (memory-demo, paper/175b)")
     p.add_argument("--paper", action="store_true", help="the four models of Table 3 (the default with no configs)")
     p.add_argument("--measure", action="store_true", help="also measure saved bytes on t gloo ranks (small models)")
     p.add_argument("--png", type=Path, metavar="PATH", help="write a Figure 7 style bar chart")

@@ -16,7 +16,7 @@ import dataclasses
 import re
 import types
 from pathlib import Path
-from typing import Any, Iterable, Literal, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Iterable, Literal, Mapping, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
 
@@ -59,66 +59,72 @@ def _fail(key: str, tp: Any, value: Any) -> ConfigError:
 
 def _convert(tp: Any, value: Any, key: str) -> Any:
     """Check ``value`` against annotation ``tp`` and return it in the annotated form."""
-    origin, args = get_origin(tp), get_args(tp)
+    origin = get_origin(tp)
     if tp is Any:
         return value
     if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-        if isinstance(value, tp):
-            return value
-        return from_dict(tp, value, where=key)
+        return value if isinstance(value, tp) else from_dict(tp, value, where=key)
     if origin in (Union, types.UnionType):
-        if value is None:
-            if type(None) in args:
-                return None
-            raise _fail(key, tp, value)
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _convert(arg, value, key)
-            except ConfigError as err:
-                errors.append(str(err))
-        if len(errors) == 1:
-            raise ConfigError(errors[0])
-        raise _fail(key, tp, value)
+        return _convert_union(tp, value, key)
     if origin is Literal:
-        if any(value == a and type(value) is type(a) for a in args):
+        if any(value == a and type(value) is type(a) for a in get_args(tp)):
             return value
-        raise ConfigError(f"{key}: expected one of {list(args)}, got {value!r}")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _fail(key, tp, value)
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _fail(key, tp, value)
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise _fail(key, tp, value)
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise _fail(key, tp, value)
+        raise ConfigError(f"{key}: expected one of {list(get_args(tp))}, got {value!r}")
+    if tp in (bool, int, float, str):
+        return _convert_scalar(tp, value, key)
     if origin in (tuple, list):
-        if not isinstance(value, (list, tuple)):
-            raise _fail(key, tp, value)
-        if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
-            if len(value) != len(args):
-                raise ConfigError(f"{key}: expected {len(args)} items for {_type_name(tp)}, got {list(value)!r}")
-            items = [_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
-        else:
-            item_tp = args[0] if args else Any
-            items = [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
+        return _convert_sequence(tp, value, key)
     if origin is dict:
         if not isinstance(value, dict):
             raise _fail(key, tp, value)
-        key_tp, val_tp = args if args else (Any, Any)
+        key_tp, val_tp = get_args(tp) or (Any, Any)
         return {_convert(key_tp, k, f"{key}.<key>"): _convert(val_tp, v, _join(key, str(k))) for k, v in value.items()}
     raise ConfigError(f"{key}: unsupported annotation {_type_name(tp)} in config schema")
+
+
+def _convert_union(tp: Any, value: Any, key: str) -> Any:
+    """``X | Y | None``: ``None`` only if allowed, else the first member that accepts ``value``."""
+    args = get_args(tp)
+    if value is None:
+        if type(None) in args:
+            return None
+        raise _fail(key, tp, value)
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _convert(arg, value, key)
+        except ConfigError as err:
+            errors.append(str(err))
+    if len(errors) == 1:  # ``X | None``: X's own message is the precise one
+        raise ConfigError(errors[0])
+    raise _fail(key, tp, value)
+
+
+def _convert_scalar(tp: type, value: Any, key: str) -> Any:
+    """``bool`` / ``int`` / ``float`` / ``str``: no coercion except int -> float; bools are not ints."""
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = {bool: isinstance(value, bool), int: is_number and isinstance(value, int),
+          float: is_number, str: isinstance(value, str)}[tp]
+    if not ok:
+        raise _fail(key, tp, value)
+    return float(value) if tp is float else value
+
+
+def _convert_sequence(tp: Any, value: Any, key: str) -> tuple | list:
+    """``list[X]``, ``tuple[X, ...]`` (any length) and ``tuple[X, Y]`` (exactly these items)."""
+    origin, args = get_origin(tp), get_args(tp)
+    if not isinstance(value, (list, tuple)):
+        raise _fail(key, tp, value)
+    if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
+        if len(value) != len(args):
+            raise ConfigError(f"{key}: expected {len(args)} items for {_type_name(tp)}, got {list(value)!r}")
+        items = [_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
+    else:
+        item_tp = args[0] if args else Any
+        items = [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    return tuple(items) if origin is tuple else items
 
 
 def from_dict(cls: type[T], data: dict, *, where: str = "") -> T:
@@ -216,6 +222,31 @@ def load(cls: type[T], path: str | Path | None, overrides: Iterable[str] = ()) -
     """Build ``cls`` from defaults, then file ``path`` (if given), then ``key=value`` overrides."""
     data = read_yaml(path) if path is not None else {}
     return from_dict(cls, merge(data, parse_overrides(overrides)))
+
+
+def load_sections(path: str | Path, sections: Mapping[str, type],
+                  required: Mapping[str, Iterable[str]] | None = None) -> dict[str, Any]:
+    """Build each named top-level section of YAML file ``path`` as its dataclass; others are ignored.
+
+    ``load_sections(p, {"model": GPTConfig})`` checks every key of ``model:`` as :func:`from_dict`
+    does; ``required={"model": ["hidden"]}`` also refuses a file that leaves ``model.hidden`` to
+    the default. Errors name the path and the dotted key.
+    """
+    data = read_yaml(path)
+    for section, keys in (required or {}).items():
+        if section not in data:
+            raise ConfigError(f"{path}: missing config key {section!r} (a mapping with {list(keys)})")
+        if isinstance(data[section], dict):
+            missing = [k for k in keys if k not in data[section]]
+            if missing:
+                raise ConfigError(f"{path}: missing config key {_join(section, missing[0])!r}")
+    out = {}
+    for section, cls in sections.items():
+        try:
+            out[section] = from_dict(cls, data.get(section), where=section)
+        except ValueError as err:  # ConfigError, or a validate() check
+            raise ConfigError(f"{path}: {err}") from None
+    return out
 
 
 def to_dict(obj: Any) -> Any:

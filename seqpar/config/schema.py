@@ -1,7 +1,7 @@
-"""The run configuration: typed sections loaded strictly from YAML plus ``key=value`` overrides.
+"""The run schema: typed sections of a training run, loaded strictly from YAML plus ``key=value`` overrides.
 
 Precedence: command line > file > defaults. Unknown keys and wrong types are errors naming the
-dotted key (see :mod:`seqpar.config_loader`). Nothing here touches ``torch.distributed``.
+dotted key (see :mod:`seqpar.config.loader`). Nothing here touches ``torch.distributed``.
 """
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Literal
 
-from . import config_loader
-from .model.config import GPTConfig
+from ..model.config import GPTConfig
+from . import loader
+from .shipped import resolve_config
 
 
 @dataclass
@@ -97,9 +98,14 @@ class RunConfig:
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
-    """Load ``path`` (YAML) with ``key=value`` overrides; raise ``ValueError`` on any bad key/value."""
-    return config_loader.load(RunConfig, path, list(overrides))
+    """Load ``path`` with ``key=value`` overrides; raise ``ValueError`` on any bad key/value.
+
+    ``path`` is a YAML file or the name of a shipped config (``tiny-cpu``, ``paper/175b``; see
+    :func:`~seqpar.config.shipped.resolve_config`); ``None`` means the built-in defaults.
+    """
+    return loader.load(RunConfig, None if path is None else resolve_config(path), list(overrides))
 
 
 def dump(cfg: RunConfig) -> str:
-    return config_loader.dump_yaml(cfg)
+    """The YAML text of ``cfg``; :func:`load_run_config` of it rebuilds an equal config."""
+    return loader.dump_yaml(cfg)
