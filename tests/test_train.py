@@ -36,7 +36,7 @@ def _overrides(tmp: Path, **kw) -> list[str]:
 
 
 def _train(rank, world, overrides, tp, dp):
-    from seqpar.train.loop import train
+    from seqpar.train import train
     cfg = load_run_config(None, overrides)
     mesh = init_parallel(tp=tp, dp=dp)
     return train(cfg, mesh=mesh)
@@ -99,7 +99,7 @@ def test_resume_is_exact_and_reshards(spawn, tmp_path):
 
 
 def _bad(rank, world, overrides):
-    from seqpar.train.loop import train
+    from seqpar.train import train
     try:
         train(load_run_config(None, overrides), mesh=init_parallel(tp=2))
     except ValueError as e:

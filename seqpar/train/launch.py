@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd += ["--standalone", f"--nproc-per-node={args.nproc_per_node}", f"--max-restarts={args.max_restarts}",
                 "-m", "seqpar.train"] + ([args.config] if args.config else []) + args.overrides
         os.execvp(cmd[0], cmd)
-    from .loop import train
+    from .trainer import train
     try:
         train(cfg)
     finally:

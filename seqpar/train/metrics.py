@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -62,10 +61,13 @@ class MetricsLogger:
                     self.tb.add_scalar(k.replace(" ", "_"), v, step)
 
     def close(self) -> None:
+        """Close the files (safe to call more than once)."""
         if self.jsonl:
             self.jsonl.close()
+            self.jsonl = None
         if self.tb is not None:
             self.tb.close()
+            self.tb = None
 
 
 def _fmt_value(v: float) -> str:
@@ -81,7 +83,3 @@ def _fmt_value(v: float) -> str:
 def device_name() -> str:
     import torch
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-
-
-def stderr(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,383 @@
+"""The Trainer: data -> GPT (TP + SP + recompute) -> DP reduction -> clip -> AdamW, one method per job.
+
+Setup (``Trainer(cfg)``), in order: validate the config (every rank, before any collective) ->
+mesh -> header and resolved config -> corpus, train stream and eval batches -> GPT -> DDP over dp
+-> optimizer -> precision context. :meth:`Trainer.fit` then resumes and runs the loop.
+
+Order of operations per optimizer step (:meth:`Trainer.train_step`), on every rank:
+set the step's learning rate -> micro-batches forward/backward (:meth:`Trainer.forward_backward`;
+DDP's dp all-reduce only on the last micro-batch, ``no_sync`` before) -> SP-replicated grads
+all-reduced over TP -> TP-aware global-norm clipping -> AdamW step, grads zeroed -> one world
+all-reduce carrying the mean loss and the stop flag (:meth:`Trainer.agree`) -> non-finite loss
+check. After the step, :meth:`Trainer.fit` logs, evaluates and checkpoints on their intervals, and
+stops cleanly after a checkpoint when any rank received SIGTERM.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from .. import flops
+from ..config import RunConfig, dump
+from ..distributed.grad_sync import sync_sp_replicated_grads
+from ..distributed.mesh import ParallelMesh, init_parallel, validate_layout
+from ..memory.ledger import ActivationLedger
+from ..model import GPT
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .data import Corpus, TokenBatches, eval_batches, open_corpus, prepare_corpus
+from .generate import sample as sample_ids
+from .metrics import MetricsLogger, device_name
+from .optim import build_optimizer, clip_grad_norm_tp, lr_at
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), int64 [micro_batch, seq_len]
+
+
+class _StopRequest:
+    """Remembers a SIGTERM so the loop can checkpoint and exit at the next step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """What one optimizer step reports; identical on every rank."""
+
+    loss: float       # mean training loss over the step's micro-batches and the dp ranks
+    grad_norm: float  # global L2 norm of the full model's gradients, before clipping
+    lr: float         # learning rate the step used
+    stop: bool        # some rank asked to stop (SIGTERM): checkpoint and exit after this step
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+class Trainer:
+    """Trains ``cfg.model`` on ``cfg.data`` as configured. Build it on every rank (it validates the
+    config before any collective), then call :meth:`fit`; the other methods are its steps."""
+
+    def __init__(self, cfg: RunConfig, *, mesh: ParallelMesh | None = None):
+        cfg.validate()  # every rank, before any collective
+        self.cfg, self.tc, self.mc = cfg, cfg.train, cfg.model
+        self.mesh = self._setup_mesh(mesh)
+        self.logger = MetricsLogger(cfg.out_dir, self.mesh.is_first, self.tc.steps)
+        try:
+            self._announce()
+            self._setup_data()
+            self._setup_model()
+            self.autocast = self._precision()
+            self._setup_throughput()
+        except BaseException:
+            self.logger.close()
+            raise
+        self.history: dict = {"steps": [], "losses": [], "eval": [], "checkpoint": None}
+        self.start_step = 0  # first step this process runs (> 0 after a resume)
+        self._stop: _StopRequest | None = None  # installed by fit()
+        self._act_bytes: int | None = None  # activations saved for backward, measured once on CPU
+        self._mem_shown = False
+        self._window_t = 0.0  # seconds spent in the steps since the last log line
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    def _setup_mesh(self, mesh: ParallelMesh | None) -> ParallelMesh:
+        """Check the layout against the world size, then build the mesh unless one was given."""
+        pc = self.cfg.parallel
+        self.dp = validate_layout(pc.tp, pc.dp, mesh.world_size if mesh else _world_size())
+        self.accum = self.cfg.accumulation_steps(self.dp)  # micro-batches per optimizer step
+        if mesh is None:
+            mesh = init_parallel(pc.tp, pc.dp, timeout=timedelta(minutes=pc.timeout_minutes))
+        if mesh.device.type == "cpu":
+            torch.set_num_threads(self.tc.threads_per_rank)
+        return mesh
+
+    def _announce(self) -> None:
+        """Print the layout and the resolved config; the first rank writes ``config.yaml``."""
+        cfg, mc, tc = self.cfg, self.mc, self.tc
+        self.logger.print(f"seqpar: {self.mesh}; model {mc.layers}L h={mc.hidden} a={mc.heads} s={mc.seq_len} "
+                          f"v={mc.vocab_size}; sequence_parallel={mc.sequence_parallel} recompute={mc.recompute}; "
+                          f"micro_batch={tc.micro_batch} x accumulation {self.accum} x dp {self.dp}")
+        if self.mesh.is_first:
+            Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(cfg.out_dir) / "config.yaml").write_text(dump(cfg))
+            self.logger.print("resolved config:\n" + "\n".join("  " + line for line in dump(cfg).splitlines()))
+
+    def _load_corpus(self) -> Corpus:
+        """The first rank prepares (tokenizes, caches) the corpus; the others open it after a barrier."""
+        dc = self.cfg.data
+        kw = dict(vocab_size=self.mc.vocab_size, cache_dir=dc.cache_dir, max_bytes=dc.max_bytes)
+        if self.mesh.is_first:
+            corpus = prepare_corpus(dc.source, log=self.logger.print, **kw)
+        _barrier()
+        if not self.mesh.is_first:
+            corpus = open_corpus(dc.source, **kw)
+        if corpus.vocab_size > self.mc.vocab_size:
+            raise ValueError(f"the corpus needs vocab_size >= {corpus.vocab_size}, model.vocab_size is "
+                             f"{self.mc.vocab_size}")
+        return corpus
+
+    def _setup_data(self) -> None:
+        """Corpus, the training stream of this dp rank, fixed eval batches, the tokenizer attachment."""
+        tc, mc, mesh = self.tc, self.mc, self.mesh
+        self.corpus = self._load_corpus()
+        train_tokens, heldout = self.corpus.split(self.cfg.data.eval_fraction)
+        self.batches = TokenBatches(train_tokens, seq_len=mc.seq_len, micro_batch=tc.micro_batch, seed=tc.seed,
+                                    dp_rank=mesh.dp_rank, dp_size=self.dp)
+        has_eval = tc.eval_interval > 0 and len(heldout) > mc.seq_len
+        self.evals: list[Batch] = (eval_batches(heldout, seq_len=mc.seq_len, micro_batch=tc.micro_batch,
+                                                num_batches=tc.eval_batches, dp_rank=mesh.dp_rank,
+                                                dp_size=self.dp) if has_eval else [])
+        self.attachments: dict[str, Path] = {}
+        if self.corpus.tokenizer is not None:  # checkpoints carry it so `seqpar generate` needs nothing else
+            self.attachments["tokenizer.json"] = Path(self.cfg.out_dir) / "tokenizer.json"
+            if mesh.is_first:
+                self.corpus.tokenizer.save(str(self.attachments["tokenizer.json"]))
+
+    def _setup_model(self) -> None:
+        """GPT built from seqpar layers on the mesh, wrapped for data parallelism, then its optimizer."""
+        tc = self.tc
+        self.model = GPT(self.mc, self.mesh, seed=tc.seed)
+        self.logger.print(f"parameters: {self.model.num_parameters():,} in the full model, "
+                          f"{self.model.num_parameters(False):,} on this rank")
+        self.dp_model = self._wrap_data_parallel(self.model)
+        self.optimizer = build_optimizer(self.model, lr=tc.lr, weight_decay=tc.weight_decay,
+                                         betas=(tc.beta1, tc.beta2))
+
+    def _wrap_data_parallel(self, model: GPT) -> torch.nn.Module:
+        """The module the training forward runs through: DDP over the dp group when dp > 1.
+        Parameters stay ``model``'s own, so the optimizer and checkpoints use ``model``."""
+        if self.dp == 1:
+            return model
+        from torch.nn.parallel import DistributedDataParallel
+        return DistributedDataParallel(model, process_group=self.mesh.dp_group, broadcast_buffers=False)
+
+    def _precision(self) -> Callable[[], AbstractContextManager]:
+        """A factory of the context each forward runs in: bf16 autocast or nothing."""
+        tc, device = self.tc, self.mesh.device
+        if tc.autocast == "bf16" or (tc.autocast == "auto" and device.type == "cuda"):
+            return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext
+
+    def _setup_throughput(self) -> None:
+        """Tokens and model FLOPs per optimizer step (whole world), and the device's peak."""
+        tc, mc = self.tc, self.mc
+        sequences = tc.micro_batch * self.accum * self.dp
+        self.tokens_per_step = sequences * mc.seq_len
+        self.step_flops = flops.model_flops(B=sequences, s=mc.seq_len, h=mc.hidden, L=mc.layers, v=mc.vocab_size)
+        self.peak = flops.peak_flops(device_name())
+
+    # ---- one optimizer step --------------------------------------------------------------------
+
+    def set_lr(self, step: int) -> float:
+        """Warmup + cosine learning rate of ``step`` (from 0), written into every param group."""
+        tc = self.tc
+        lr = lr_at(step, lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def micro_batches(self, step: int) -> Iterator[Batch]:
+        """The ``accum`` micro-batches of optimizer step ``step`` on this dp rank, on the mesh device.
+        They are the next ones of the training stream, whose position is checkpointed."""
+        for _ in range(self.accum):
+            tokens, labels = next(self.batches)
+            yield tokens.to(self.mesh.device), labels.to(self.mesh.device)
+
+    def _grad_sync(self, micro: int) -> AbstractContextManager:
+        """DDP reduces over dp on the last micro-batch only; ``no_sync`` before it."""
+        if self.dp == 1 or micro == self.accum - 1:
+            return contextlib.nullcontext()
+        return self.dp_model.no_sync()
+
+    def _ledger(self) -> ActivationLedger | None:
+        """An activation ledger for the first forward on CPU (the figure the log shows), else None."""
+        if self._act_bytes is None and self.mesh.device.type == "cpu":
+            return ActivationLedger(self.model)
+        return None
+
+    def forward_backward(self, micro_batches: Iterator[Batch]) -> torch.Tensor:
+        """Forward and backward over ``micro_batches``, each loss scaled by 1/accum so the grads are
+        the step's mean. Returns this rank's mean loss (float64 scalar on the CPU)."""
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for micro, (tokens, labels) in enumerate(micro_batches):
+            ledger = self._ledger()
+            with self._grad_sync(micro):
+                with self.autocast(), (ledger or contextlib.nullcontext()):
+                    loss = self.dp_model(tokens, labels)
+                (loss / self.accum).backward()
+            if ledger is not None:
+                self._act_bytes = ledger.total()
+            loss_sum += loss.detach().double().cpu() / self.accum
+        return loss_sum
+
+    def agree(self, loss_sum: torch.Tensor) -> tuple[float, bool]:
+        """One world all-reduce: the mean loss over the world (= over dp; TP replicas agree) and
+        whether any rank was asked to stop. Returns ``(loss, stop)``, identical on all ranks."""
+        requested = self._stop is not None and self._stop.requested
+        flag = torch.tensor([loss_sum.item(), float(requested)], dtype=torch.float64)
+        if dist.is_initialized():
+            dist.all_reduce(flag)
+            flag[0] /= dist.get_world_size()
+        return float(flag[0]), bool(flag[1] > 0)
+
+    def train_step(self, step: int) -> StepMetrics:
+        """Run optimizer step ``step`` (from 0); a collective on every rank. Raises
+        ``FloatingPointError`` when the mean loss is not finite."""
+        lr = self.set_lr(step)
+        loss_sum = self.forward_backward(self.micro_batches(step))
+        sync_sp_replicated_grads(self.model, self.mesh.tp_group)
+        grad_norm = clip_grad_norm_tp(self.model, self.tc.grad_clip, self.mesh.tp_group)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, stop = self.agree(loss_sum)
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss ({loss}) at step {step + 1}; stopping. Lower "
+                                     f"train.lr or check the data; the last checkpoint is kept.")
+        return StepMetrics(loss=loss, grad_norm=grad_norm, lr=lr, stop=stop)
+
+    # ---- evaluation, checkpoints, samples ------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean held-out loss over the eval batches, averaged over the world (identical on all ranks)."""
+        if not self.evals:
+            raise ValueError(f"no eval batches: train.eval_interval is {self.tc.eval_interval} or the held-out "
+                             f"split (data.eval_fraction={self.cfg.data.eval_fraction}) is shorter than "
+                             f"seq_len + 1 = {self.mc.seq_len + 1} tokens")
+        device = self.mesh.device
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        for tokens, labels in self.evals:
+            with self.autocast():
+                total += self.model(tokens.to(device), labels.to(device)).double().cpu()
+        self.model.train()
+        total /= len(self.evals)
+        if dist.is_initialized():
+            dist.all_reduce(total)
+            total /= dist.get_world_size()
+        return float(total)
+
+    def save(self, step: int) -> Path:
+        """Checkpoint the model, optimizer, RNG streams and data position as step ``step``; every rank."""
+        ck = self.cfg.checkpoint
+        extra = {"data": self.batches.state_dict(), "tp": self.mesh.tp_size, "dp": self.dp}
+        path = save_checkpoint(ck.dir, step, self.model, self.optimizer, extra, dump(self.cfg), self.model.rng,
+                               keep=ck.keep, attachments=self.attachments)
+        self.history["checkpoint"] = str(path)
+        self.logger.print(f"checkpoint saved: {path}")
+        return path
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint when ``checkpoint.resume`` is ``"auto"`` (any TP
+        layout); returns the step to start from (0 when there is none)."""
+        ck = self.cfg.checkpoint
+        latest = latest_checkpoint(ck.dir) if ck.resume == "auto" else None
+        if latest is None:
+            return self.start_step
+        extra = load_checkpoint(latest, self.model, self.optimizer, self.model.rng)
+        self.start_step = int(extra["step"])
+        self.batches.load_state_dict(extra["data"])
+        self.logger.print(f"resumed from {latest} at step {self.start_step}")
+        return self.start_step
+
+    def sample(self, prompt: str = "def ", max_new_tokens: int = 48) -> str:
+        """Text continuing ``prompt`` (seeded by ``train.seed``); a collective under TP, call on every rank."""
+        if self.corpus.tokenizer is None:
+            raise ValueError(f"sample: the corpus {self.cfg.data.source!r} is a bare token file without a "
+                             f"tokenizer.json beside it")
+        ids = sample_ids(self.model, self.corpus.encode(prompt), max_new_tokens, seed=self.tc.seed)
+        return self.corpus.decode(ids)
+
+    # ---- the loop ------------------------------------------------------------------------------
+
+    def _memory(self) -> str:
+        if self.mesh.device.type == "cuda":
+            return f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB peak"
+        return f"{(self._act_bytes or 0) / 2**20:.1f} MiB saved activations"
+
+    def log_step(self, done: int, m: StepMetrics, seconds: float) -> None:
+        """Count ``seconds`` into the window; on log steps print one line with the window's mean
+        throughput (and the memory line: every time on CUDA, once on CPU)."""
+        tc = self.tc
+        self._window_t += seconds
+        if not (done % tc.log_interval == 0 or done == tc.steps):
+            return
+        n = (done - self.start_step) % tc.log_interval or min(tc.log_interval, done - self.start_step)
+        dt = self._window_t / max(1, n)
+        per_dev = self.step_flops / dt / self.mesh.world_size
+        self.logger.log(done, {"loss": m.loss, "lr": m.lr, "grad norm": m.grad_norm,
+                               "tokens/s": round(self.tokens_per_step / dt), "TFLOP/s": per_dev / 1e12,
+                               "MFU": per_dev / self.peak if self.peak else None})
+        if self.mesh.device.type == "cuda" or not self._mem_shown:  # the CPU figure is measured once
+            self.logger.print(f"           memory: {self._memory()}")
+            self._mem_shown = True
+        self._window_t = 0.0
+
+    def _after_step(self, done: int, m: StepMetrics) -> None:
+        """Evaluate and checkpoint when due (a stop request forces a checkpoint)."""
+        tc, interval = self.tc, self.cfg.checkpoint.interval
+        if self.evals and tc.eval_interval > 0 and (done % tc.eval_interval == 0 or done == tc.steps):
+            ev = self.evaluate()
+            self.history["eval"].append((done, ev))
+            self.logger.print(f"           eval loss {ev:.4f} at step {done}")
+        if m.stop or done == tc.steps or (interval > 0 and done % interval == 0):
+            self.save(done)
+
+    def fit(self) -> dict:
+        """Resume if configured, train to ``train.steps`` (or a SIGTERM), then print a sample when
+        the corpus has a tokenizer. Returns ``{"steps", "losses", "eval", "checkpoint"}``."""
+        stopped = False
+        try:
+            self.resume()
+            self._stop = _StopRequest()
+            for step in range(self.start_step, self.tc.steps):
+                t0 = time.perf_counter()
+                m = self.train_step(step)
+                self.history["steps"].append(step + 1)
+                self.history["losses"].append(m.loss)
+                self.log_step(step + 1, m, time.perf_counter() - t0)
+                self._after_step(step + 1, m)
+                if m.stop:
+                    self.logger.print(f"SIGTERM received: checkpoint written at step {step + 1}, exiting cleanly")
+                    stopped = True
+                    break
+            if self.corpus.tokenizer is not None and not stopped:
+                self.logger.print("sample:\n" + self.sample())
+        finally:
+            self.close()
+        return self.history
+
+    def close(self) -> None:
+        """Restore the SIGTERM handler and close the metrics files."""
+        if self._stop is not None:
+            self._stop.restore()
+            self._stop = None
+        self.logger.close()
+
+
+def train(cfg: RunConfig, *, mesh: ParallelMesh | None = None) -> dict:
+    """Run training as configured; returns ``{"steps", "losses", "eval", "checkpoint"}`` on every rank."""
+    return Trainer(cfg, mesh=mesh).fit()
