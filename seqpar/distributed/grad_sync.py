@@ -5,49 +5,18 @@ holds the same parameter on every TP rank but sees only this rank's sequence sha
 rank's gradient is a partial sum. Those parameters are *SP-replicated*: their gradients must
 be summed over the TP group after backward, or the replicas silently drift apart.
 
-One mechanism marks them: a module lists the names of its own SP-replicated parameters in
-the attribute ``sp_replicated_params`` (set with :func:`mark_sp_replicated`). Layers set it
-only when sequence parallelism is on; without SP the gradients are already complete.
+Which parameters are SP-replicated is declared by their layers (:mod:`seqpar.sharding`:
+``param_layouts()``, or :func:`mark_sp_replicated` for other modules such as norms); layers
+declare it only when sequence parallelism is on. Use exactly one of :func:`sync_sp_replicated_grads`
+(explicit, after backward) or :func:`install_sp_grad_hooks` (inside backward).
 """
 from __future__ import annotations
-
-from typing import Iterable
 
 import torch
 import torch.nn as nn
 
+from ..sharding import mark_sp_replicated, sp_replicated_parameters
 from .collectives import ProcessGroup, all_reduce, group_size
-
-ATTR = "sp_replicated_params"
-
-
-def mark_sp_replicated(module: nn.Module, names: Iterable[str] | None = None) -> nn.Module:
-    """Declare ``module``'s own parameters ``names`` (default: all of them) SP-replicated."""
-    own = dict(module.named_parameters(recurse=False))
-    names = tuple(own) if names is None else tuple(names)
-    unknown = [n for n in names if n not in own]
-    if unknown:
-        raise ValueError(f"{type(module).__name__} has no parameters {unknown}; it has {sorted(own)}")
-    setattr(module, ATTR, tuple(sorted(set(getattr(module, ATTR, ())) | set(names))))
-    return module
-
-
-def sp_replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """All SP-replicated parameters of ``model``, in a deterministic (module) order, deduplicated."""
-    seen: set[int] = set()
-    out: list[nn.Parameter] = []
-    for module in model.modules():
-        for name in getattr(module, ATTR, ()):
-            p = getattr(module, name)
-            if p is not None and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out
-
-
-def is_sp_replicated(model: nn.Module) -> set[int]:
-    """``id()`` of every SP-replicated parameter (for TP-aware gradient norms)."""
-    return {id(p) for p in sp_replicated_parameters(model)}
 
 
 def sync_sp_replicated_grads(model: nn.Module, tp_group: ProcessGroup | None) -> int:

@@ -1,6 +1,10 @@
-"""Tensor-parallel layers; sequence parallelism is a mode of each (``sequence_parallel=True``)."""
+"""Tensor-parallel layers; sequence parallelism is a mode of each (``sequence_parallel=True``).
+
+Each layer declares its parameters' layouts (``param_layouts()``, see :mod:`seqpar.sharding`).
+"""
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, RowParallelLinear, column_parallel_linear, row_parallel_linear
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "column_parallel_linear",
+           "row_parallel_linear", "vocab_parallel_cross_entropy"]

@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from ..sharding import ParamLayout, local_shape, shard
+
 InitMethod = Callable[[torch.Tensor], object]
 
 
@@ -25,17 +27,16 @@ def default_linear_init(weight: torch.Tensor) -> None:
     nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
 
 
-def build_param(full_shape: tuple[int, ...], shard_dim: int, tp_rank: int, tp_size: int,
+def build_param(full_shape: tuple[int, ...], layout: ParamLayout, tp_rank: int, tp_size: int,
                 init: InitMethod, *, dtype: torch.dtype | None, device, per_shard_init: bool) -> nn.Parameter:
-    """Create this rank's shard of a parameter whose full shape is ``full_shape``, split along
-    ``shard_dim`` into ``tp_size`` equal contiguous pieces."""
+    """Create this rank's part of a parameter whose dense shape is ``full_shape``, laid out over
+    ``tp_size`` ranks as ``layout`` declares (see :mod:`seqpar.sharding`)."""
     dtype = dtype or torch.get_default_dtype()
-    local_shape = list(full_shape)
-    local_shape[shard_dim] //= tp_size
+    shape = local_shape(full_shape, layout, tp_size)
     if init is skip_init:
-        return nn.Parameter(torch.empty(local_shape, dtype=dtype, device=device))
-    if per_shard_init and tp_size > 1:
-        local = torch.empty(local_shape, dtype=dtype, device=device)
+        return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+    if per_shard_init and tp_size > 1 and layout.is_split:
+        local = torch.empty(shape, dtype=dtype, device=device)
         seed = int(torch.randint(0, 2**62, (1,)).item()) + tp_rank  # same draw on all ranks, offset by rank
         devices = [local.device] if local.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
@@ -44,6 +45,5 @@ def build_param(full_shape: tuple[int, ...], shard_dim: int, tp_rank: int, tp_si
         return nn.Parameter(local)
     master = torch.empty(full_shape, dtype=dtype)  # on CPU: identical numbers on any device
     init(master)
-    n = local_shape[shard_dim]
-    local = master.narrow(shard_dim, tp_rank * n, n).contiguous()
+    local = shard(master, layout, tp_rank, tp_size).contiguous()
     return nn.Parameter(local.to(device) if device is not None else local)

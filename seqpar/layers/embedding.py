@@ -5,8 +5,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..distributed.collectives import ProcessGroup, all_gather_dim, check_divisible, check_group, group_rank, group_size
+from ..distributed.collectives import ProcessGroup, check_divisible, check_group, group_rank, group_size
 from ..distributed.regions import reduce_from_tp, reduce_scatter_to_sp
+from ..sharding import ParamLayout, shard, unshard
 from ._init import InitMethod, build_param, skip_init
 
 
@@ -29,9 +30,12 @@ class VocabParallelEmbedding(nn.Module):
         self.sequence_parallel, self.seq_dim = bool(sequence_parallel), seq_dim
         self.num_local = num_embeddings // self.tp_size
         self.vocab_start = self.tp_rank * self.num_local
-        self.weight = build_param((num_embeddings, embedding_dim), 0, self.tp_rank, self.tp_size,
+        self.weight = build_param((num_embeddings, embedding_dim), ParamLayout(split_dim=0), self.tp_rank, self.tp_size,
                                   init_method or nn.init.normal_, dtype=dtype, device=device,
                                   per_shard_init=per_shard_init)
+
+    def param_layouts(self) -> dict[str, ParamLayout]:
+        return {"weight": ParamLayout(split_dim=0)}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int64, torch.int32):
@@ -57,11 +61,11 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"VocabParallelEmbedding: full weight must have shape "
                              f"{(self.num_embeddings, self.embedding_dim)}, got {tuple(weight.shape)}")
         with torch.no_grad():
-            self.weight.copy_(weight[self.vocab_start:self.vocab_start + self.num_local])
+            self.weight.copy_(shard(weight, self.param_layouts()["weight"], self.tp_rank, self.tp_size))
 
     def dense_weight(self) -> torch.Tensor:
         """The full ``[v, h]`` table, all-gathered over TP (a collective: call on every rank)."""
-        return all_gather_dim(self.weight.detach(), self.tp_group, 0) if self.tp_size > 1 else self.weight.detach().clone()
+        return unshard(self.weight, self.param_layouts()["weight"], self.tp_group)
 
     @classmethod
     def from_dense(cls, emb: nn.Embedding, *, tp_group: ProcessGroup | None, sequence_parallel: bool = False, **kw):

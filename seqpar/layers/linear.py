@@ -27,8 +27,8 @@ from ..distributed.collectives import (
     reduce_scatter_dim,
     reduce_scatter_dim0,
 )
-from ..distributed.grad_sync import mark_sp_replicated
 from ..distributed.regions import gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, split_to_tp
+from ..sharding import REPLICATED, SP_REPLICATED, ParamLayout, shard, unshard
 from ._init import InitMethod, build_param, default_linear_init, skip_init
 
 
@@ -98,6 +98,31 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                           tp_group: ProcessGroup | None, sequence_parallel: bool = False,
+                           seq_dim: int = 0) -> torch.Tensor:
+    """``x [s, b, in]`` (replicated) or ``[s/t, b, in]`` (SP shard) times this rank's output rows
+    ``weight [out/t, in]`` -> ``[s, b, out/t]``. Under SP the all-gather (g) is fused into the matmul
+    and only the shard is kept for backward; plain TP all-reduces the input gradient (f)."""
+    if group_size(tp_group) == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnParallelLinearFn.apply(x, weight, bias, tp_group, sequence_parallel, seq_dim)
+
+
+def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                        tp_group: ProcessGroup | None, sequence_parallel: bool = False,
+                        seq_dim: int = 0) -> torch.Tensor:
+    """``x [s, b, in/t]`` times this rank's input columns ``weight [out, in/t]``: partial sums
+    all-reduced to ``[s, b, out]`` (f-bar) or reduce-scattered to ``[s/t, b, out]`` under SP
+    (g-bar). ``bias`` is added after the reduction."""
+    out = F.linear(x, weight)  # partial sums [s, b, out]
+    if sequence_parallel:
+        out = reduce_scatter_to_sp(out, tp_group, seq_dim)  # [s, b, out] -> [s/t, b, out]
+    else:
+        out = reduce_from_tp(out, tp_group)
+    return out + bias if bias is not None else out
+
+
 class _ParallelLinearBase(nn.Module):
     def _setup(self, in_features, out_features, tp_group, sequence_parallel, seq_dim):
         check_group(tp_group, type(self).__name__)
@@ -115,8 +140,22 @@ class _ParallelLinearBase(nn.Module):
             raise ValueError(f"{type(self).__name__}: sequence parallelism needs a sequence dim; "
                              f"got input shape {tuple(x.shape)}")
 
-    def _gather_full(self, p: torch.Tensor, dim: int) -> torch.Tensor:
-        return all_gather_dim(p.detach(), self.tp_group, dim) if self.tp_size > 1 else p.detach().clone()
+    def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        """Copy this rank's part of the full ``weight [out, in]`` (and ``bias [out]``) in."""
+        _check_full(self, weight, (self.out_features, self.in_features), bias)
+        layouts = self.param_layouts()
+        with torch.no_grad():
+            self.weight.copy_(shard(weight, layouts["weight"], self.tp_rank, self.tp_size))
+            if self.bias is not None:
+                self.bias.copy_(shard(bias, layouts["bias"], self.tp_rank, self.tp_size))
+
+    def dense_weight(self) -> torch.Tensor:
+        """The full ``[out, in]`` weight, all-gathered over TP (a collective: call on every rank)."""
+        return unshard(self.weight, self.param_layouts()["weight"], self.tp_group)
+
+    def dense_bias(self) -> torch.Tensor | None:
+        """The full ``[out]`` bias (all-gathered over TP where it is split)."""
+        return None if self.bias is None else unshard(self.bias, self.param_layouts()["bias"], self.tp_group)
 
     def extra_repr(self) -> str:
         w = self.weight
@@ -140,45 +179,37 @@ class ColumnParallelLinear(_ParallelLinearBase):
     Plain TP: input ``[s, b, in]`` identical on all ranks -> ``[s, b, out/t]``.
     SP (``sequence_parallel=True``): input ``[s/t, b, in]`` -> ``[s, b, out/t]``; the all-gather
     (paper's g) is fused into the matmul and only the shard is kept for backward.
-    ``gather_output=True`` all-gathers the output's last dim to ``[s, b, out]``.
+    ``chunks=c``: the output is ``c`` fused blocks (``[q; k; v]``: 3) split over TP separately, so
+    rank ``r`` computes its part of each block. ``gather_output=True`` all-gathers the output's
+    last dim to ``[s, b, out]`` (in this rank-major order when ``chunks > 1``).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group: ProcessGroup | None = None,
                  sequence_parallel: bool = False, gather_output: bool = False, dtype: torch.dtype | None = None,
-                 device=None, init_method: InitMethod | None = None, per_shard_init: bool = False, seq_dim: int = 0):
+                 device=None, init_method: InitMethod | None = None, per_shard_init: bool = False, seq_dim: int = 0,
+                 chunks: int = 1):
         super().__init__()
         self._setup(in_features, out_features, tp_group, sequence_parallel, seq_dim)
-        check_divisible(out_features, self.tp_size, "ColumnParallelLinear out_features")
-        self.gather_output = gather_output
-        init = init_method or default_linear_init
-        self.weight = build_param((out_features, in_features), 0, self.tp_rank, self.tp_size, init,
-                                  dtype=dtype, device=device, per_shard_init=per_shard_init)
-        self.bias = _build_bias(out_features, in_features, 0, self, bias, init_method, dtype, device, per_shard_init)
+        if chunks < 1:
+            raise ValueError(f"ColumnParallelLinear: chunks must be >= 1, got {chunks}")
+        check_divisible(out_features, self.tp_size * chunks, f"ColumnParallelLinear out_features (t x chunks={chunks})")
+        self.gather_output, self.chunks = gather_output, chunks
+        layout = ParamLayout(split_dim=0, chunks=chunks)
+        self.weight = build_param((out_features, in_features), layout, self.tp_rank, self.tp_size,
+                                  init_method or default_linear_init, dtype=dtype, device=device,
+                                  per_shard_init=per_shard_init)
+        self.bias = _build_bias(out_features, in_features, layout, self, bias, init_method, dtype, device,
+                                per_shard_init)
+
+    def param_layouts(self) -> dict[str, ParamLayout]:
+        layout = ParamLayout(split_dim=0, chunks=self.chunks)
+        return {"weight": layout, "bias": layout}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features)
-        if self.tp_size == 1:
-            out = F.linear(x, self.weight, self.bias)
-        else:
-            out = _ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.tp_group,
-                                                self.sequence_parallel, self.seq_dim)
+        out = column_parallel_linear(x, self.weight, self.bias, tp_group=self.tp_group,
+                                     sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim)
         return gather_from_tp(out, self.tp_group) if self.gather_output else out
-
-    def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Copy this rank's rows of the full ``weight`` ``[out, in]`` (and ``bias`` ``[out]``) in."""
-        n = self.out_features // self.tp_size
-        _check_full(self, weight, (self.out_features, self.in_features), bias)
-        with torch.no_grad():
-            self.weight.copy_(weight[self.tp_rank * n:(self.tp_rank + 1) * n])
-            if self.bias is not None:
-                self.bias.copy_(bias[self.tp_rank * n:(self.tp_rank + 1) * n])
-
-    def dense_weight(self) -> torch.Tensor:
-        """The full ``[out, in]`` weight, all-gathered over TP (a collective: call on every rank)."""
-        return self._gather_full(self.weight, 0)
-
-    def dense_bias(self) -> torch.Tensor | None:
-        return None if self.bias is None else self._gather_full(self.bias, 0)
 
 
 class RowParallelLinear(_ParallelLinearBase):
@@ -199,12 +230,15 @@ class RowParallelLinear(_ParallelLinearBase):
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
         self.input_is_parallel = input_is_parallel
-        init = init_method or default_linear_init
-        self.weight = build_param((out_features, in_features), 1, self.tp_rank, self.tp_size, init,
-                                  dtype=dtype, device=device, per_shard_init=per_shard_init)
-        self.bias = _build_bias(out_features, in_features, None, self, bias, init_method, dtype, device, per_shard_init)
-        if self.bias is not None and self.sequence_parallel and self.tp_size > 1:
-            mark_sp_replicated(self, ["bias"])
+        self.weight = build_param((out_features, in_features), ParamLayout(split_dim=1), self.tp_rank, self.tp_size,
+                                  init_method or default_linear_init, dtype=dtype, device=device,
+                                  per_shard_init=per_shard_init)
+        self.bias = _build_bias(out_features, in_features, REPLICATED, self, bias, init_method, dtype, device,
+                                per_shard_init)
+
+    def param_layouts(self) -> dict[str, ParamLayout]:
+        sp = self.sequence_parallel and self.tp_size > 1  # each rank adds the bias to its own tokens only
+        return {"weight": ParamLayout(split_dim=1), "bias": SP_REPLICATED if sp else REPLICATED}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_is_parallel:
@@ -212,31 +246,11 @@ class RowParallelLinear(_ParallelLinearBase):
         else:
             self._check_input(x, self.in_features)
             x = split_to_tp(x, self.tp_group)
-        out = F.linear(x, self.weight)  # partial sums [s, b, out]
-        if self.sequence_parallel:
-            out = reduce_scatter_to_sp(out, self.tp_group, self.seq_dim)  # [s, b, out] -> [s/t, b, out]
-        else:
-            out = reduce_from_tp(out, self.tp_group)
-        return out + self.bias if self.bias is not None else out
-
-    def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        """Copy this rank's columns of the full ``weight`` ``[out, in]`` (and the whole ``bias``) in."""
-        n = self.in_features // self.tp_size
-        _check_full(self, weight, (self.out_features, self.in_features), bias)
-        with torch.no_grad():
-            self.weight.copy_(weight[:, self.tp_rank * n:(self.tp_rank + 1) * n])
-            if self.bias is not None:
-                self.bias.copy_(bias)
-
-    def dense_weight(self) -> torch.Tensor:
-        """The full ``[out, in]`` weight, all-gathered over TP (a collective: call on every rank)."""
-        return self._gather_full(self.weight, 1)
-
-    def dense_bias(self) -> torch.Tensor | None:
-        return None if self.bias is None else self.bias.detach().clone()
+        return row_parallel_linear(x, self.weight, self.bias, tp_group=self.tp_group,
+                                   sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim)
 
 
-def _build_bias(out_features, in_features, shard_dim, layer, bias, init_method, dtype, device, per_shard_init):
+def _build_bias(out_features, in_features, layout, layer, bias, init_method, dtype, device, per_shard_init):
     """nn.Linear's bias init (uniform +-1/sqrt(fan_in)) by default, zeros with a custom init_method."""
     if not bias:
         return None
@@ -247,10 +261,9 @@ def _build_bias(out_features, in_features, shard_dim, layer, bias, init_method, 
         init = lambda b: nn.init.uniform_(b, -bound, bound)  # noqa: E731
     else:
         init = nn.init.zeros_
-    if shard_dim is None:  # replicated bias: identical full tensor on every rank
-        return build_param((out_features,), 0, 0, 1, init, dtype=dtype, device=device, per_shard_init=False)
-    return build_param((out_features,), shard_dim, layer.tp_rank, layer.tp_size, init, dtype=dtype,
-                       device=device, per_shard_init=per_shard_init)
+    layout = ParamLayout(split_dim=0, chunks=layout.chunks) if layout.is_split else REPLICATED
+    return build_param((out_features,), layout, layer.tp_rank, layer.tp_size, init, dtype=dtype, device=device,
+                       per_shard_init=per_shard_init)
 
 
 def _check_full(layer, weight, shape, bias) -> None:

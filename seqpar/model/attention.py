@@ -1,9 +1,8 @@
 """Self-attention: fused QKV column-parallel linear -> CoreAttention -> row-parallel projection.
 
-Under TP each rank owns ``a/t`` heads. The fused QKV weight is stored per rank as
-``[q_r; k_r; v_r]`` (this rank's heads of each), so a contiguous row-slice of the dense weight
-is *not* this rank's part; :func:`qkv_dense_to_tp_order` permutes the dense ``[q; k; v]``
-layout into TP order (and back), keeping the dense state dict layout-invariant.
+Under TP each rank owns ``a/t`` heads. The fused QKV layer is column-parallel with 3 chunks: the
+dense weight is ``[q; k; v]`` and rank ``r`` holds ``[q_r; k_r; v_r]`` (its heads of each), as its
+layout declares (:mod:`seqpar.sharding`), so the dense state dict stays layout-invariant.
 """
 from __future__ import annotations
 
@@ -17,15 +16,6 @@ from ..distributed.rng import RNGStreams
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..recompute import checkpoint
 from .config import GPTConfig
-
-
-def qkv_dense_to_tp_order(w: torch.Tensor, t: int, inverse: bool = False) -> torch.Tensor:
-    """Rows of a dense ``[3h, ...]`` QKV tensor: ``[q; k; v]`` <-> ``[q_0; k_0; v_0; q_1; ...]``
-    where ``q_r`` is the rows of TP rank ``r``'s heads."""
-    rest = w.shape[1:]
-    if inverse:
-        return w.reshape(t, 3, -1, *rest).transpose(0, 1).reshape(w.shape)
-    return w.reshape(3, t, -1, *rest).transpose(0, 1).reshape(w.shape)
 
 
 class CoreAttention(nn.Module):
@@ -84,11 +74,8 @@ class SelfAttention(nn.Module):
         self.streams = streams
         self.recompute = False  # set by the model for selective recomputation
 
-        def qkv_init(w):  # draw in dense [q; k; v] order, store in TP order: layout-invariant
-            w.copy_(qkv_dense_to_tp_order(torch.empty_like(w).normal_(0.0, std), t))
-
         self.qkv = ColumnParallelLinear(h, 3 * h, bias=config.bias, tp_group=tp_group, sequence_parallel=sp,
-                                        dtype=dt, init_method=qkv_init)
+                                        dtype=dt, init_method=lambda w: nn.init.normal_(w, 0.0, std), chunks=3)
         self.core = CoreAttention(config, streams)
         self.proj = RowParallelLinear(h, h, bias=config.bias, tp_group=tp_group, sequence_parallel=sp, dtype=dt,
                                       init_method=lambda w: nn.init.normal_(w, 0.0, out_std))

@@ -5,20 +5,20 @@ sequence parallelism the residual stream between blocks is the shard ``[s/t, b, 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 import torch.nn as nn
 
+from .. import sharding
 from ..distributed.collectives import check_group, group_rank, group_size
-from ..distributed.grad_sync import mark_sp_replicated
 from ..distributed.mesh import ParallelMesh
 from ..distributed.rng import RNGStreams
-from ..distributed.collectives import all_gather_dim
-from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
-from ..layers.linear import _ColumnParallelLinearFn
+from ..layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy
 from ..recompute import checkpoint, full_recompute_plan
-from .attention import SelfAttention, qkv_dense_to_tp_order
+from ..sharding import mark_sp_replicated
+from .attention import SelfAttention
 from .config import GPTConfig
 from .mlp import MLP
 
@@ -77,6 +77,7 @@ class GPT(nn.Module):
         t = mesh.tp_size
         config.check_parallel(t)  # before any collective, on every rank
         check_group(mesh.tp_group, "GPT")
+        config = dataclasses.replace(config)  # the model's own copy: set_recompute never edits the caller's
         self.config, self.mesh = config, mesh
         self.tp_group, self.tp_size, self.tp_rank = mesh.tp_group, t, group_rank(mesh.tp_group)
         self.rng = RNGStreams(seed, tp_rank=self.tp_rank, device=mesh.device)
@@ -147,57 +148,20 @@ class GPT(nn.Module):
                 x = self._run_blocks(x, begin, end)
         x = self.ln_f(x)
         weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        if self.tp_size == 1:
-            logits = torch.nn.functional.linear(x, weight)          # [s, b, v]
-        else:
-            logits = _ColumnParallelLinearFn.apply(x, weight, None, self.tp_group, sp, 0)  # [s, b, v/t]
+        logits = column_parallel_linear(x, weight, tp_group=self.tp_group, sequence_parallel=sp)  # [s, b, v/t]
         if labels is None:
             return logits.transpose(0, 1)                           # [b, s, v/t]
         return vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group)
 
     # ------------------------------------------------------------------ dense state dict
-    def _layout(self) -> dict[str, int | None]:
-        """Parameter name -> the dim it is split along over TP (None: replicated)."""
-        out: dict[str, int | None] = {}
-        for mname, module in self.named_modules():
-            for pname, _ in module.named_parameters(recurse=False):
-                dim = None
-                if self.tp_size > 1:
-                    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)):
-                        dim = 0
-                    elif isinstance(module, RowParallelLinear) and pname == "weight":
-                        dim = 1
-                out[f"{mname}.{pname}" if mname else pname] = dim
-        return out
-
     def to_dense(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gather per-parameter tensors (parameters, their grads or optimizer moments, keyed by
         parameter name) into the full, layout-invariant form. A collective over TP."""
-        out = {}
-        for name, dim in self._layout().items():
-            if name not in local:
-                continue
-            x = local[name].detach()
-            x = all_gather_dim(x, self.tp_group, dim) if dim is not None else x.clone()
-            if ".attn.qkv." in name:
-                x = qkv_dense_to_tp_order(x, self.tp_size, inverse=True)
-            out[name] = x
-        return out
+        return sharding.to_dense(self, local, self.tp_group)
 
     def to_local(self, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Slice full tensors (as from :meth:`to_dense`) into this rank's shards. No communication."""
-        out = {}
-        for name, dim in self._layout().items():
-            if name not in dense:
-                continue
-            x = dense[name]
-            if ".attn.qkv." in name:
-                x = qkv_dense_to_tp_order(x, self.tp_size)
-            if dim is not None:
-                n = x.shape[dim] // self.tp_size
-                x = x.narrow(dim, self.tp_rank * n, n)
-            out[name] = x
-        return out
+        return sharding.to_local(self, dense, self.tp_group)
 
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under stable names, identical for every TP size:
@@ -224,13 +188,7 @@ class GPT(nn.Module):
                 p.copy_(local[name])
 
     def _dense_shapes(self) -> dict[str, torch.Size]:
-        layout, shapes = self._layout(), {}
-        for name, p in self.named_parameters():
-            shape, dim = list(p.shape), layout[name]
-            if dim is not None:
-                shape[dim] *= self.tp_size
-            shapes[name] = torch.Size(shape)
-        return shapes
+        return sharding.dense_shapes(self, self.tp_group)
 
     def num_parameters(self, dense: bool = True) -> int:
         """Parameter count of the full model (``dense``) or of this rank's shards."""

@@ -11,19 +11,9 @@ import math
 import torch
 import torch.nn as nn
 
-from ..distributed.collectives import ProcessGroup, all_reduce
-from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-
-
-def tp_sharded_parameters(model: nn.Module) -> set[int]:
-    """``id()`` of parameters split across TP ranks (each rank holds a different slice)."""
-    out: set[int] = set()
-    for m in model.modules():
-        if isinstance(m, ColumnParallelLinear) and m.tp_size > 1:
-            out.update(id(p) for p in m.parameters(recurse=False))
-        elif isinstance(m, (RowParallelLinear, VocabParallelEmbedding)) and m.tp_size > 1:
-            out.add(id(m.weight))
-    return out
+from ..distributed.collectives import ProcessGroup, all_reduce, group_size
+from ..layers import VocabParallelEmbedding
+from ..sharding import split_parameters
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]):
@@ -49,11 +39,11 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
 
 
 def clip_grad_norm_tp(model: nn.Module, max_norm: float, tp_group: ProcessGroup | None) -> float:
-    """Global gradient L2 norm of the *full* model, computed across TP: squares of sharded
-    parameters are summed over the TP group; replicated parameters (identical on every TP rank
-    after grad sync) are counted once. Scales grads in place when ``max_norm > 0`` and the norm
+    """Global gradient L2 norm of the *full* model, computed across TP: squares of split
+    parameters (as their layouts declare, :mod:`seqpar.sharding`) are summed over the TP group;
+    replicated parameters (identical on every TP rank after grad sync) are counted once. Scales grads in place when ``max_norm > 0`` and the norm
     exceeds it. Returns the norm before clipping (identical on all ranks)."""
-    sharded = tp_sharded_parameters(model)
+    sharded = split_parameters(model) if group_size(tp_group) > 1 else set()
     grads = [p for p in model.parameters() if p.grad is not None]
     if not grads:
         return 0.0

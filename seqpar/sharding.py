@@ -1,0 +1,180 @@
+"""Parameter layouts over tensor parallelism, and the one place that converts dense <-> local.
+
+Every seqpar layer declares how each parameter it owns is laid out across the ``t`` ranks of its
+TP group in a :class:`ParamLayout` (its ``param_layouts()`` method); modules that are not seqpar
+layers (norms, position tables) are replicated unless :func:`mark_sp_replicated` declares them
+SP-replicated. Everything that needs a layout -- dense state dicts, gradient clipping,
+checkpoints, interop, ``parallelize`` -- asks :func:`param_layouts` and converts with
+:func:`shard` / :func:`unshard` / :func:`to_dense` / :func:`to_local`, so a new fused layer only
+has to declare its layout.
+
+A split parameter with ``chunks = c`` is ``c`` equal blocks along ``split_dim`` in the dense
+tensor (fused ``[q; k; v]``: 3, fused ``[gate; up]``: 2), each block split over the ranks
+separately: rank ``r`` holds ``[c_0,r; c_1,r; ...]``, so its rows of every block are contiguous.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+import torch
+import torch.nn as nn
+
+from .distributed.collectives import ProcessGroup, all_gather_dim, group_rank, group_size
+
+ATTR = "_seqpar_param_layouts"  # per-module declarations for modules that are not seqpar layers
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """How one parameter is laid out over the TP group.
+
+    ``split_dim``: the dim split into ``t`` pieces (None: every rank holds the whole tensor).
+    ``chunks``: equal blocks along ``split_dim`` split separately (see the module docstring).
+    ``sp_replicated``: replicated, but each rank's gradient covers only its sequence shard, so
+    gradients are summed over TP after backward (LayerNorms, row-parallel biases under SP).
+    """
+
+    split_dim: int | None = None
+    chunks: int = 1
+    sp_replicated: bool = False
+
+    def __post_init__(self) -> None:
+        if self.chunks < 1 or (self.chunks > 1 and self.split_dim is None):
+            raise ValueError(f"ParamLayout: chunks={self.chunks} needs chunks >= 1 and a split_dim "
+                             f"(split_dim={self.split_dim})")
+        if self.sp_replicated and self.split_dim is not None:
+            raise ValueError(f"ParamLayout: a split parameter (split_dim={self.split_dim}) cannot be SP-replicated")
+
+    @property
+    def is_split(self) -> bool:
+        return self.split_dim is not None
+
+
+REPLICATED = ParamLayout()
+SP_REPLICATED = ParamLayout(sp_replicated=True)
+
+
+# ---------------------------------------------------------------------------------- declarations
+def mark_sp_replicated(module: nn.Module, names: Iterable[str] | None = None) -> nn.Module:
+    """Declare ``module``'s own parameters ``names`` (default: all) SP-replicated. For modules that
+    are not seqpar layers (norms you add to a sequence-parallel region); returns ``module``."""
+    own = dict(module.named_parameters(recurse=False))
+    names = tuple(own) if names is None else tuple(names)
+    unknown = [n for n in names if n not in own]
+    if unknown:
+        raise ValueError(f"{type(module).__name__} has no parameters {unknown}; it has {sorted(own)}")
+    declared = dict(module.__dict__.get(ATTR, {}))
+    declared.update({n: SP_REPLICATED for n in names})
+    module.__dict__[ATTR] = declared  # a plain attribute, not a submodule or a tensor patch
+    return module
+
+
+def module_layouts(module: nn.Module) -> dict[str, ParamLayout]:
+    """Layouts of ``module``'s own (non-recursive) parameters: a seqpar layer's ``param_layouts()``,
+    else what :func:`mark_sp_replicated` declared, else replicated."""
+    own = [n for n, _ in module.named_parameters(recurse=False)]
+    declared = module.param_layouts() if hasattr(module, "param_layouts") else module.__dict__.get(ATTR, {})
+    return {n: declared.get(n, REPLICATED) for n in own}
+
+
+def param_layouts(model: nn.Module) -> dict[str, ParamLayout]:
+    """Parameter name (as in ``model.named_parameters()``, shared parameters once) -> layout."""
+    out: dict[str, ParamLayout] = {}
+    seen: set[int] = set()
+    for mname, module in model.named_modules():
+        layouts = module_layouts(module)
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                out[f"{mname}.{pname}" if mname else pname] = layouts[pname]
+    return out
+
+
+def sp_replicated_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every SP-replicated parameter of ``model`` in module order, each once."""
+    params = dict(model.named_parameters())
+    return [params[n] for n, lay in param_layouts(model).items() if lay.sp_replicated]
+
+
+def split_parameters(model: nn.Module) -> set[int]:
+    """``id()`` of the parameters split over TP (each rank holds a different part)."""
+    params = dict(model.named_parameters())
+    return {id(params[n]) for n, lay in param_layouts(model).items() if lay.is_split}
+
+
+# ---------------------------------------------------------------------------------- conversions
+def interleave(x: torch.Tensor, chunks: int, parts: int, dim: int = 0, inverse: bool = False) -> torch.Tensor:
+    """Reorder ``x`` along ``dim`` from ``chunks`` blocks of ``parts`` pieces (chunk-major,
+    ``[c0p0, c0p1, ..., c1p0, ...]``) to part-major (``[c0p0, c1p0, ..., c0p1, ...]``);
+    ``inverse`` goes back. Fused ``[q; k; v]`` rows with ``parts = t`` give each rank's contiguous
+    ``[q_r; k_r; v_r]``; with ``parts = heads`` the per-head ``[q_h, k_h, v_h]`` order."""
+    if chunks == 1 or parts == 1:
+        return x
+    a, b = (parts, chunks) if inverse else (chunks, parts)
+    moved = x.movedim(dim, 0)
+    out = moved.reshape(a, b, -1, *moved.shape[1:]).transpose(0, 1).reshape(moved.shape)
+    return out.movedim(0, dim)
+
+
+def local_shape(full_shape: Iterable[int], layout: ParamLayout, t: int) -> torch.Size:
+    shape = list(full_shape)
+    if layout.is_split:
+        if shape[layout.split_dim] % (t * layout.chunks):
+            raise ValueError(f"dim {layout.split_dim} of shape {tuple(shape)} is not divisible by "
+                             f"t={t} x chunks={layout.chunks}")
+        shape[layout.split_dim] //= t
+    return torch.Size(shape)
+
+
+def dense_shape(local: Iterable[int], layout: ParamLayout, t: int) -> torch.Size:
+    shape = list(local)
+    if layout.is_split:
+        shape[layout.split_dim] *= t
+    return torch.Size(shape)
+
+
+def shard(full: torch.Tensor, layout: ParamLayout, rank: int, t: int) -> torch.Tensor:
+    """This rank's part of the dense tensor ``full`` (a view where possible; no communication)."""
+    if not layout.is_split or t == 1:
+        return full
+    local_shape(full.shape, layout, t)  # divisibility check, naming the shape
+    x = interleave(full, layout.chunks, t, layout.split_dim)
+    n = x.shape[layout.split_dim] // t
+    return x.narrow(layout.split_dim, rank * n, n)
+
+
+def unshard(local: torch.Tensor, layout: ParamLayout, group: ProcessGroup | None) -> torch.Tensor:
+    """The dense tensor from every rank's part (an all-gather over ``group`` when split; a copy
+    otherwise). A collective: call on every TP rank."""
+    local = local.detach()
+    t = group_size(group)
+    if not layout.is_split or t == 1:
+        return local.clone()
+    gathered = all_gather_dim(local, group, layout.split_dim)
+    return interleave(gathered, layout.chunks, t, layout.split_dim, inverse=True)
+
+
+def to_dense(model: nn.Module, local: Mapping[str, torch.Tensor], group: ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Per-parameter tensors keyed by parameter name (parameters, their gradients or optimizer
+    moments) -> their dense, layout-invariant form. Names missing from ``local`` are skipped.
+    A collective over ``group`` (TP): call on every rank with the same names."""
+    return {name: unshard(local[name], lay, group) for name, lay in param_layouts(model).items() if name in local}
+
+
+def to_local(model: nn.Module, dense: Mapping[str, torch.Tensor], group: ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """Dense tensors (as from :func:`to_dense`) -> this rank's parts. No communication."""
+    rank, t = group_rank(group), group_size(group)
+    return {name: shard(dense[name], lay, rank, t) for name, lay in param_layouts(model).items() if name in dense}
+
+
+def dense_shapes(model: nn.Module, group: ProcessGroup | None) -> dict[str, torch.Size]:
+    """Parameter name -> the dense shape of that parameter."""
+    t = group_size(group)
+    params = dict(model.named_parameters())
+    return {name: dense_shape(params[name].shape, lay, t) for name, lay in param_layouts(model).items()}
+
+
+__all__ = ["ParamLayout", "REPLICATED", "SP_REPLICATED", "mark_sp_replicated", "module_layouts", "param_layouts",
+           "sp_replicated_parameters", "split_parameters", "interleave", "local_shape", "dense_shape", "shard",
+           "unshard", "to_dense", "to_local", "dense_shapes"]
