@@ -33,7 +33,6 @@ class ParallelMesh:
     device: torch.device
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
-    device_mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> "ParallelMesh":
@@ -142,5 +141,4 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, rank: int | None = None
         device=device,
         tp_group=mesh.get_group("tp") if tp > 1 else None,
         dp_group=mesh.get_group("dp") if dp > 1 else None,
-        device_mesh=mesh,
     )
