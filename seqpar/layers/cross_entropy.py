@@ -60,6 +60,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad.to(ctx.in_dtype), None, None, None, None
 
 
+def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int = -100) -> None:
+    """Raise ``ValueError`` naming the first target id outside ``[0, vocab)`` (``ignore_index``
+    allowed). One host sync: call where a batch is made, not per layer, on GPUs."""
+    bad = (targets != ignore_index) & ((targets < 0) | (targets >= vocab))
+    if bool(bad.any()):
+        first = int(targets[bad][0])
+        raise ValueError(f"target id {first} is outside the vocabulary [0, {vocab}) ({int(bad.sum())} such "
+                         f"targets; ignore_index={ignore_index})")
+
+
 def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tensor, *,
                                  tp_group: ProcessGroup | None, ignore_index: int = -100,
                                  label_smoothing: float = 0.0,
@@ -70,7 +80,8 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     Matches ``F.cross_entropy(full_logits, targets, ignore_index=..., label_smoothing=...)``:
     ``"mean"`` averages over non-ignored tokens (0 when all are ignored), ``"none"`` returns the
     per-token losses (0 at ignored positions). Computed in fp32. The result is identical on all
-    TP ranks.
+    TP ranks. A target outside ``[0, v)`` other than ``ignore_index`` raises ``ValueError`` (checked
+    here for CPU tensors; CUDA callers check once per batch with :func:`check_targets`).
     """
     check_group(tp_group, "vocab_parallel_cross_entropy")
     if tuple(local_logits.shape[:-1]) != tuple(targets.shape):
@@ -80,6 +91,8 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if targets.device.type == "cpu" and not torch.compiler.is_compiling():  # CUDA: checked where batches are made
+        check_targets(targets, local_logits.shape[-1] * group_size(tp_group), ignore_index)
     losses = _VocabParallelCrossEntropy.apply(local_logits, targets, tp_group, ignore_index, float(label_smoothing))
     if reduction == "none":
         return losses
