@@ -70,6 +70,31 @@ class MetricsLogger:
             self.tb = None
 
 
+class Throughput:
+    """Mean step time over the steps since the last report, as tokens/s, TFLOP/s per device and MFU."""
+
+    def __init__(self, tokens_per_step: int, flops_per_step: float, world_size: int, peak_flops: float | None):
+        self.tokens_per_step, self.flops_per_step = tokens_per_step, flops_per_step
+        self.world_size, self.peak = world_size, peak_flops
+        self.seconds, self.steps = 0.0, 0
+
+    def add(self, seconds: float) -> None:
+        """Count one optimizer step that took ``seconds``."""
+        self.seconds += seconds
+        self.steps += 1
+
+    def report(self) -> dict[str, float | None]:
+        """The window's scalars (None where unknown: no time counted, or the device's peak); starts
+        a new window."""
+        dt = self.seconds / max(1, self.steps)
+        self.seconds, self.steps = 0.0, 0
+        if dt <= 0:
+            return {"tokens/s": None, "TFLOP/s": None, "MFU": None}
+        per_dev = self.flops_per_step / dt / self.world_size
+        return {"tokens/s": round(self.tokens_per_step / dt), "TFLOP/s": per_dev / 1e12,
+                "MFU": per_dev / self.peak if self.peak else None}
+
+
 def _fmt_value(v: float) -> str:
     if isinstance(v, int) or (abs(v) >= 1000 and float(v).is_integer()):
         return f"{int(v):,}"

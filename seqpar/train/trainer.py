@@ -37,7 +37,7 @@ from ..model import GPT
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .data import Corpus, TokenBatches, eval_batches, open_corpus, prepare_corpus
 from .generate import sample as sample_ids
-from .metrics import MetricsLogger, device_name
+from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, clip_grad_norm_tp, lr_at
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), int64 [micro_batch, seq_len]
@@ -90,7 +90,7 @@ class Trainer:
             self._setup_data()
             self._setup_model()
             self.autocast = self._precision()
-            self._setup_throughput()
+            self.throughput = self._throughput()
         except BaseException:
             self.logger.close()
             raise
@@ -99,7 +99,6 @@ class Trainer:
         self._stop: _StopRequest | None = None  # installed by fit()
         self._act_bytes: int | None = None  # activations saved for backward, measured once on CPU
         self._mem_shown = False
-        self._window_t = 0.0  # seconds spent in the steps since the last log line
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -181,13 +180,12 @@ class Trainer:
             return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext
 
-    def _setup_throughput(self) -> None:
-        """Tokens and model FLOPs per optimizer step (whole world), and the device's peak."""
+    def _throughput(self) -> Throughput:
+        """Tokens and model FLOPs per optimizer step (whole world) against the device's peak."""
         tc, mc = self.tc, self.mc
         sequences = tc.micro_batch * self.accum * self.dp
-        self.tokens_per_step = sequences * mc.seq_len
-        self.step_flops = flops.model_flops(B=sequences, s=mc.seq_len, h=mc.hidden, L=mc.layers, v=mc.vocab_size)
-        self.peak = flops.peak_flops(device_name())
+        step_flops = flops.model_flops(B=sequences, s=mc.seq_len, h=mc.hidden, L=mc.layers, v=mc.vocab_size)
+        return Throughput(sequences * mc.seq_len, step_flops, self.mesh.world_size, flops.peak_flops(device_name()))
 
     # ---- one optimizer step --------------------------------------------------------------------
 
@@ -200,8 +198,8 @@ class Trainer:
         return lr
 
     def micro_batches(self, step: int) -> Iterator[Batch]:
-        """The ``accum`` micro-batches of optimizer step ``step`` on this dp rank, on the mesh device.
-        They are the next ones of the training stream, whose position is checkpointed."""
+        """The ``accum`` micro-batches of optimizer step ``step`` on this dp rank, on the mesh device:
+        the next ones of the training stream (its position is what checkpoints record)."""
         for _ in range(self.accum):
             tokens, labels = next(self.batches)
             yield tokens.to(self.mesh.device), labels.to(self.mesh.device)
@@ -233,15 +231,19 @@ class Trainer:
             loss_sum += loss.detach().double().cpu() / self.accum
         return loss_sum
 
-    def agree(self, loss_sum: torch.Tensor) -> tuple[float, bool]:
-        """One world all-reduce: the mean loss over the world (= over dp; TP replicas agree) and
-        whether any rank was asked to stop. Returns ``(loss, stop)``, identical on all ranks."""
-        requested = self._stop is not None and self._stop.requested
-        flag = torch.tensor([loss_sum.item(), float(requested)], dtype=torch.float64)
+    def agree(self, loss_sum: torch.Tensor, stop: bool) -> tuple[float, bool]:
+        """One world all-reduce: the mean of ``loss_sum`` over the world (= over dp; TP replicas
+        agree) and whether any rank passed ``stop``. Returns ``(loss, stop)``, identical on all ranks."""
+        flag = torch.tensor([loss_sum.item(), float(stop)], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(flag)
             flag[0] /= dist.get_world_size()
         return float(flag[0]), bool(flag[1] > 0)
+
+    @property
+    def stop_requested(self) -> bool:
+        """True once this rank received SIGTERM during :meth:`fit`."""
+        return self._stop is not None and self._stop.requested
 
     def train_step(self, step: int) -> StepMetrics:
         """Run optimizer step ``step`` (from 0); a collective on every rank. Raises
@@ -252,7 +254,7 @@ class Trainer:
         grad_norm = clip_grad_norm_tp(self.model, self.tc.grad_clip, self.mesh.tp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss, stop = self.agree(loss_sum)
+        loss, stop = self.agree(loss_sum, self.stop_requested)
         if not math.isfinite(loss):
             raise FloatingPointError(f"non-finite loss ({loss}) at step {step + 1}; stopping. Lower "
                                      f"train.lr or check the data; the last checkpoint is kept.")
@@ -319,22 +321,15 @@ class Trainer:
         return f"{(self._act_bytes or 0) / 2**20:.1f} MiB saved activations"
 
     def log_step(self, done: int, m: StepMetrics, seconds: float) -> None:
-        """Count ``seconds`` into the window; on log steps print one line with the window's mean
-        throughput (and the memory line: every time on CUDA, once on CPU)."""
-        tc = self.tc
-        self._window_t += seconds
-        if not (done % tc.log_interval == 0 or done == tc.steps):
+        """Count the step's ``seconds``; on log steps print one line with the mean throughput since
+        the last line, and the memory line (every time on CUDA, once on CPU)."""
+        self.throughput.add(seconds)
+        if not (done % self.tc.log_interval == 0 or done == self.tc.steps):
             return
-        n = (done - self.start_step) % tc.log_interval or min(tc.log_interval, done - self.start_step)
-        dt = self._window_t / max(1, n)
-        per_dev = self.step_flops / dt / self.mesh.world_size
-        self.logger.log(done, {"loss": m.loss, "lr": m.lr, "grad norm": m.grad_norm,
-                               "tokens/s": round(self.tokens_per_step / dt), "TFLOP/s": per_dev / 1e12,
-                               "MFU": per_dev / self.peak if self.peak else None})
+        self.logger.log(done, {"loss": m.loss, "lr": m.lr, "grad norm": m.grad_norm, **self.throughput.report()})
         if self.mesh.device.type == "cuda" or not self._mem_shown:  # the CPU figure is measured once
             self.logger.print(f"           memory: {self._memory()}")
             self._mem_shown = True
-        self._window_t = 0.0
 
     def _after_step(self, done: int, m: StepMetrics) -> None:
         """Evaluate and checkpoint when due (a stop request forces a checkpoint)."""
