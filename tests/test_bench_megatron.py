@@ -1,6 +1,7 @@
 """Megatron-LM core as a benchmark peer: loaded from seqpar's dense weights it computes the same
 losses as seqpar's GPT (step 0, and after one AdamW step) under every recompute mode, and
-selective recomputation keeps less for backward than none."""
+selective recomputation keeps less for backward than none. Its CPU patches hold only inside its
+own calls: afterwards torch and Megatron are their original selves."""
 import pytest
 
 pytest.importorskip("megatron.core")
@@ -29,12 +30,36 @@ def _seqpar_two_steps(model, tokens, labels):
         return first.detach(), model(tokens, labels)
 
 
+def _patchable() -> dict[str, tuple[object, str]]:
+    """Every attribute the Megatron adapter patches: the known ones and whatever it lists."""
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from seqpar.bench.megatron_peer import patch_targets
+
+    known = [(torch.cuda, "current_device"), (mrandom, "_get_cuda_rng_state"), (mrandom, "_set_cuda_rng_state"),
+             (mrandom.CudaRNGStatesTracker, "add"), (WrappedTorchNorm, "__new__")]
+    listed = [(owner, name) for owner, name, _ in patch_targets(cpu=True)]
+    return {f"{getattr(o, '__name__', o)}.{n}": (o, n) for o, n in known + listed}
+
+
+def _originals() -> dict[str, object]:
+    return {key: vars(owner).get(name) for key, (owner, name) in _patchable().items()}
+
+
+def _changed(before: dict[str, object]) -> list[str]:
+    """The attributes that are no longer the very objects recorded in ``before``."""
+    now = _originals()
+    return sorted(k for k in before if now[k] is not before[k])
+
+
 def _compare(rank, world_size):
     import warnings
 
     warnings.filterwarnings("ignore")
     from seqpar.bench.megatron_peer import MegatronPeer
 
+    originals = _originals()
     group = tp_group_of(world_size)
     cfg = GPTConfig(vocab_size=SHAPE.vocab_size, seq_len=SHAPE.seq_len, hidden=SHAPE.hidden, heads=SHAPE.heads,
                     layers=SHAPE.layers, dropout=0.0, attention_dropout=0.0, sequence_parallel=True,
@@ -50,6 +75,7 @@ def _compare(rank, world_size):
         first = peer.step(tokens, labels)
         second = peer.step(tokens, labels)
         out[mode] = (first, second, saved)
+    out["changed"] = _changed(originals)  # after build, probe and steps: nothing left patched
     return out
 
 
@@ -65,4 +91,20 @@ def test_megatron_matches_seqpar_losses_and_saves_less_with_selective(spawn):
         saved = {m: r[m][2] for m in MODES}
         assert all(v > 0 for v in saved.values()), saved
         assert saved["selective"] < saved["none"], saved
+    assert results[0]["changed"] == [], f"left patched after a Megatron run: {results[0]['changed']}"
     assert results[0] == results[1]  # losses and ledger identical on both TP ranks
+
+
+def test_patches_hold_only_inside_their_block_even_on_error():
+    from seqpar.bench.megatron_peer import megatron_patches
+
+    before = _originals()
+    with pytest.raises(RuntimeError, match="inside"):
+        with megatron_patches(cpu=True):
+            assert torch.cuda.current_device() == torch.device("cpu")
+            assert _changed(before) == sorted(before)  # every attribute is replaced inside
+            with megatron_patches(cpu=True):
+                pass
+            assert _changed(before) == sorted(before)  # a nested block restores the outer patches
+            raise RuntimeError("inside")
+    assert _changed(before) == []

@@ -1,12 +1,16 @@
 """Megatron-LM core (``megatron-core`` 0.16.1) as a benchmark peer: its ``GPTModel`` with the local
 (non-TransformerEngine) layer spec, loaded from seqpar's dense weights.
 
-Megatron-core targets CUDA; three small patches (:func:`patch_megatron_for_cpu`) let it run on
-CPU gloo without changing what it computes. Imported only by the bench runner, never by seqpar.
+Megatron-core targets CUDA; a few small patches (:func:`patch_targets`) let it run on CPU gloo
+without changing what it computes. They are in force only inside :class:`MegatronPeer`'s own
+calls (:func:`megatron_patches`) and undone after each. Imported only by the bench runner, never
+by seqpar.
 """
 from __future__ import annotations
 
 import warnings
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -17,21 +21,17 @@ from .peer import BenchShape, Recompute
 
 LAYER_PATTERN = r"decoder\.layers\.\d+"  # Megatron's transformer layers: decoder.layers.3
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_PATCHED = {"cpu": False, "norm": False}
+_MISSING = object()
 
 
 # ---------------------------------------------------------------------------------------- patches
-def _patch_torch_norm_for_sp() -> None:
-    """Megatron's plain-torch norm wrapper (``WrappedTorchNorm``, used by the local spec when
-    neither TransformerEngine nor Apex is installed) refuses ``sequence_parallel``. Under SP a norm
-    is an ordinary LayerNorm over this rank's ``[s/t, b, h]`` rows, so build it as if SP were off
-    and tag its parameters ``sequence_parallel`` (Megatron's convention for weights whose gradients
-    are partial per rank); :meth:`MegatronPeer._allreduce_sp_grads` then sums those over TP."""
-    if _PATCHED["norm"]:
-        return
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-
-    original_new = WrappedTorchNorm.__new__
+def _sp_norm_new(original_new):
+    """``WrappedTorchNorm.__new__`` accepting sequence parallelism. Megatron's plain-torch norm
+    wrapper (used by the local spec when neither TransformerEngine nor Apex is installed) refuses
+    ``sequence_parallel``. Under SP a norm is an ordinary LayerNorm over this rank's ``[s/t, b, h]``
+    rows, so build it as if SP were off and tag its parameters ``sequence_parallel`` (Megatron's
+    convention for weights whose gradients are partial per rank);
+    :meth:`MegatronPeer._allreduce_sp_grads` then sums those over TP."""
 
     def new(cls, config, hidden_size, *args, **kwargs):
         sp = config.sequence_parallel
@@ -44,12 +44,39 @@ def _patch_torch_norm_for_sp() -> None:
             p.sequence_parallel = sp
         return norm
 
-    WrappedTorchNorm.__new__ = staticmethod(new)
-    _PATCHED["norm"] = True
+    return staticmethod(new)
 
 
-def patch_megatron_for_cpu() -> None:
-    """Make megatron-core run on CPU (gloo). Idempotent; affects this process only.
+def _cpu_rng_state(device="cuda", clone=False, graph_safe=False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state, device=-1, graph_safe=False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _add_cpu_rng_state(self, name, seed) -> None:
+    """``CudaRNGStatesTracker.add`` seeding a CPU generator state instead of a CUDA one."""
+    if seed in self.seeds_:
+        raise Exception(f"seed {seed} already exists")
+    if name in self.states_:
+        raise Exception(f"rng state {name} already exists")
+    self._is_initialized = True
+    self.seeds_.add(seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+
+
+def _cpu_device() -> torch.device:
+    return torch.device("cpu")
+
+
+def patch_targets(cpu: bool) -> list[tuple[object, str, object]]:
+    """``(owner, attribute, replacement)`` for every patch :func:`megatron_patches` applies.
+
+    Always: the plain-torch norm accepts sequence parallelism (:func:`_sp_norm_new`). With
+    ``cpu``, what makes megatron-core run on CPU gloo without changing what it computes:
 
     1. CUDA RNG state -> CPU generator: ``tensor_parallel.random``'s ``_get_cuda_rng_state`` /
        ``_set_cuda_rng_state`` and ``CudaRNGStatesTracker.add`` read, write and seed the CPU default
@@ -59,35 +86,35 @@ def patch_megatron_for_cpu() -> None:
     2. ``torch.cuda.current_device()`` answers ``torch.device("cpu")``: Megatron allocates its
        communication buffers (SP all-gather / reduce-scatter outputs, the attention-score buffer)
        on "the current device".
-    3. The plain-torch norm accepts sequence parallelism (see :func:`_patch_torch_norm_for_sp`).
     """
-    _patch_torch_norm_for_sp()
-    if _PATCHED["cpu"]:
-        return
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    def get_state(device="cuda", clone=False, graph_safe=False):
-        return torch.get_rng_state()
+    targets = [(WrappedTorchNorm, "__new__", _sp_norm_new(WrappedTorchNorm.__new__))]
+    if cpu:
+        targets += [(mrandom, "_get_cuda_rng_state", _cpu_rng_state),
+                    (mrandom, "_set_cuda_rng_state", _set_cpu_rng_state),
+                    (mrandom.CudaRNGStatesTracker, "add", _add_cpu_rng_state),
+                    (torch.cuda, "current_device", _cpu_device)]
+    return targets
 
-    def set_state(new_state, device=-1, graph_safe=False):
-        torch.set_rng_state(new_state)
 
-    def add(self, name, seed):
-        if seed in self.seeds_:
-            raise Exception(f"seed {seed} already exists")
-        if name in self.states_:
-            raise Exception(f"rng state {name} already exists")
-        self._is_initialized = True
-        self.seeds_.add(seed)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.states_[name] = torch.get_rng_state()
-
-    mrandom._get_cuda_rng_state = get_state
-    mrandom._set_cuda_rng_state = set_state
-    mrandom.CudaRNGStatesTracker.add = add
-    torch.cuda.current_device = lambda: torch.device("cpu")
-    _PATCHED["cpu"] = True
+@contextmanager
+def megatron_patches(cpu: bool) -> Iterator[None]:
+    """Apply :func:`patch_targets` inside the block only; on leaving (also on an exception) every
+    patched attribute is its original object again. Nested blocks restore what they found."""
+    targets = patch_targets(cpu)
+    saved = [(owner, name, vars(owner).get(name, _MISSING)) for owner, name, _ in targets]
+    try:
+        for owner, name, value in targets:
+            setattr(owner, name, value)
+        yield
+    finally:
+        for owner, name, old in reversed(saved):
+            if old is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, old)
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -168,24 +195,25 @@ class MegatronPeer:
     def __init__(self) -> None:
         self.model = None
         self.optimizer = None
+        self.cpu = True  # run on CPU gloo, under the CPU patches (set by build)
 
     def build(self, shape: BenchShape, dense_state: dict[str, torch.Tensor], *, tp_group, tp_rank: int,
               tp_size: int, recompute: Recompute, sequence_parallel: bool = True) -> None:
-        from megatron.core import parallel_state
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
         if recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
         if shape.dtype not in _DTYPES:
             raise ValueError(f"MegatronPeer: dtype must be one of {tuple(_DTYPES)}, got {shape.dtype!r}")
-        self.device = torch.device("cpu")
-        if torch.cuda.is_available() and dist.get_backend() == "nccl":
-            self.device = torch.device("cuda", torch.cuda.current_device())
-            _patch_torch_norm_for_sp()
-        else:
-            patch_megatron_for_cpu()
+        self.cpu = not (torch.cuda.is_available() and dist.get_backend() == "nccl")
+        self.device = torch.device("cpu") if self.cpu else torch.device("cuda", torch.cuda.current_device())
+        with megatron_patches(self.cpu):
+            self._build(shape, dense_state, tp_group, tp_rank, tp_size, recompute, sequence_parallel)
+
+    def _build(self, shape: BenchShape, dense_state: dict[str, torch.Tensor], tp_group, tp_rank: int,
+               tp_size: int, recompute: Recompute, sequence_parallel: bool) -> None:
+        from megatron.core import parallel_state
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         self.group = self._init_parallel_state(parallel_state, tp_group, tp_size)
         model_parallel_cuda_manual_seed(1234, tp_rank=tp_rank)
@@ -256,18 +284,19 @@ class MegatronPeer:
             g.copy_(synced.view_as(g))
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
-        self.optimizer.zero_grad(set_to_none=True)
-        loss = self._loss(tokens, labels)
-        loss.backward()
-        self._allreduce_sp_grads()
-        self.optimizer.step()
+        with megatron_patches(self.cpu):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss = self._loss(tokens, labels)
+            loss.backward()
+            self._allreduce_sp_grads()
+            self.optimizer.step()
         return float(loss.detach())
 
     def saved_bytes_per_layer(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
         """Mean bytes per ``decoder.layers.*`` kept for backward by one forward. Megatron's own
         causal mask (``[1, 1, s, s]`` bool, saved by the masked fill) is one storage shared by all
         layers: it is charged to the first layer that saves it."""
-        with ActivationLedger(self.model, layer_pattern=LAYER_PATTERN) as ledger:
+        with megatron_patches(self.cpu), ActivationLedger(self.model, layer_pattern=LAYER_PATTERN) as ledger:
             loss = self._loss(tokens, labels)
         del loss  # frees the graph: nothing is kept past this call
         per_layer = ledger.per_layer()
