@@ -13,9 +13,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import seqpar
-from seqpar import plans
-from seqpar.parallelize import dense_state_dict, parallelize
-from seqpar.recompute import checkpoint_attention
+from seqpar.dropin import checkpoint_attention, dense_state_dict
 
 STEPS, BATCH, SEQ = 5, 4, 64
 
@@ -40,7 +38,7 @@ def main() -> None:
     reference = GPT2LMHeadModel(config)
     ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
 
-    model = parallelize(copy.deepcopy(reference), plans.gpt2(), mesh, sequence_parallel=True)
+    model = seqpar.parallelize(copy.deepcopy(reference), seqpar.plans.gpt2(), mesh, sequence_parallel=True)
     checkpoint_attention(model)  # backward recomputes only QK^T, softmax, dropout, attention over V
 
     losses, ref_losses = train(model, ids), train(reference, ids)

@@ -73,6 +73,3 @@ def full_recompute_plan(layers: int, method: Literal["uniform", "block"], num_la
         n = min(num_layers, layers)
         return [(i, i + 1, True) for i in range(n)] + ([(n, layers, False)] if n < layers else [])
     raise ValueError(f"recompute_method must be 'uniform' or 'block', got {method!r}")
-
-
-from .recompute_dropin import checkpoint_attention  # noqa: E402,F401  (drop-in models; imports checkpoint above)

@@ -11,11 +11,10 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E40
 
 from distributed_harness import rel_err, run_ranks, tp_group_of  # noqa: E402
 from gpt_helpers import mesh_for  # noqa: E402
-from seqpar import plans  # noqa: E402
+from seqpar import parallelize, plans  # noqa: E402
 from seqpar.distributed import RNGStreams  # noqa: E402
+from seqpar.dropin import Plan, checkpoint_attention, dense_state_dict  # noqa: E402
 from seqpar.layers import ColumnParallelLinear  # noqa: E402
-from seqpar.parallelize import Plan, dense_state_dict, parallelize  # noqa: E402
-from seqpar.recompute_dropin import checkpoint_attention  # noqa: E402
 
 B, S = 2, 16
 
@@ -230,3 +229,36 @@ def test_checkpoint_attention_sdpa_is_rng_exact_and_bad_models_raise():
     model = llama(attn_implementation="flex_attention")
     with pytest.raises(ValueError, match="'eager' and 'sdpa'.*'flex_attention'"):
         checkpoint_attention(model)
+
+
+def test_checkpoint_attention_registers_once_and_each_model_keeps_its_streams():
+    """Repeated calls and further models add nothing to transformers' registries, and each model's
+    recomputed dropout still draws from its own streams (model 1 runs after model 2 was
+    checkpointed with other streams)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    ids = batch()
+
+    def sizes():
+        return len(ALL_ATTENTION_FUNCTIONS), len(ALL_MASK_ATTENTION_FUNCTIONS)
+
+    def run(model):
+        torch.manual_seed(7)
+        return [(l, grads_of(model, False)) for l in _two_steps(model, ids)]
+
+    refs = {}
+    for seed in (11, 12):  # no recompute, attention dropout from a fresh RNGStreams(seed)
+        model = gpt2(**DROPOUT["gpt2"])
+        _attention_from_streams(model, RNGStreams(seed))
+        refs[seed] = run(model)
+    assert not torch.equal(refs[11][0][0], refs[12][0][0]), "the streams should change the loss"
+    first = checkpoint_attention(gpt2(**DROPOUT["gpt2"]), streams=RNGStreams(11))
+    before = sizes()
+    checkpoint_attention(first, streams=RNGStreams(11))  # again: only replaces the streams
+    second = checkpoint_attention(gpt2(**DROPOUT["gpt2"]), streams=RNGStreams(12))
+    assert sizes() == before
+    assert first.config._attn_implementation == second.config._attn_implementation == "seqpar_selective_eager"
+    for seed, model in ((11, first), (12, second)):
+        for (l0, g0), (l1, g1) in zip(refs[seed], run(model)):
+            assert torch.equal(l0, l1), f"streams {seed}: loss {l1} vs {l0}"
+            assert all(torch.equal(g0[n], g1[n]) for n in g0), f"streams {seed}: gradients differ"

@@ -3,25 +3,29 @@
 Only the attention core (QK^T, softmax, softmax dropout, attention over V) is recomputed in
 backward; the q / k / v / output projections, norms and MLPs keep their activations. For a
 Hugging Face model the core is the function its attention modules call through
-``transformers``' ``AttentionInterface``: :func:`checkpoint_attention` registers a wrapper of the
-model's current implementation (``eager`` or ``sdpa``) under a new name and switches the model to
-it, so no module or library function is modified. The wrapper runs the core under
-:func:`seqpar.recompute.checkpoint`, which keeps only q, k, v and replays the RNG state, so the
-recomputed dropout masks are the forward pass's.
+``transformers``' ``AttentionInterface``: :func:`checkpoint_attention` switches the model to a
+wrapper of its current implementation (``eager`` or ``sdpa``), so no module or library function
+is modified. Each wrapper is registered once per process under a fixed name
+(``seqpar_selective_eager``, ``seqpar_selective_sdpa``) and finds a model's RNG streams on the
+calling attention module, so any number of models share the two names. The wrapper runs the core
+under :func:`seqpar.recompute.checkpoint`, which keeps only q, k, v and replays the RNG state,
+so the recomputed dropout masks are the forward pass's.
 """
 from __future__ import annotations
 
-import itertools
 import sys
 from typing import Callable
 
 import torch
 import torch.nn as nn
 
-from .distributed.rng import RNGStreams
+from ..distributed.rng import RNGStreams
+from ..model import GPT
+from ..recompute import checkpoint
 
 PREFIX = "seqpar_selective"
-_counter = itertools.count()
+IMPLS = ("eager", "sdpa")
+STREAMS_ATTR = "_seqpar_attention_streams"  # set on every module of a checkpointed model
 
 
 def _base_attention(module: nn.Module, impl: str) -> Callable:
@@ -38,11 +42,13 @@ def _base_attention(module: nn.Module, impl: str) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[impl]
 
 
-def _selective(impl: str, streams: RNGStreams | None) -> Callable:
-    from .recompute import checkpoint  # here, not at import: seqpar.recompute re-exports this module
+def _selective(impl: str) -> Callable:
+    """The recomputing wrapper of implementation ``impl``; dropout draws from the calling
+    module's streams (``STREAMS_ATTR``), or torch's default generator where there are none."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         base = _base_attention(module, impl)
+        streams: RNGStreams | None = getattr(module, STREAMS_ATTR, None)
 
         def core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if streams is None:
@@ -53,7 +59,25 @@ def _selective(impl: str, streams: RNGStreams | None) -> Callable:
         # attention probabilities are exactly what is not kept: none are returned
         return checkpoint(core, query, key, value, streams=streams), None
 
+    attention.__qualname__ = f"{PREFIX}_{impl}"
     return attention
+
+
+_WRAPPERS = {impl: _selective(impl) for impl in IMPLS}
+
+
+def _registered(impl: str) -> str:
+    """The name of ``impl``'s wrapper in ``transformers``' attention and mask registries,
+    registering it on first use (the mask function is ``impl``'s own)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    name = f"{PREFIX}_{impl}"
+    if ALL_ATTENTION_FUNCTIONS.get(name) is not _WRAPPERS[impl]:
+        AttentionInterface.register(name, _WRAPPERS[impl])
+        AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+    return name
 
 
 def checkpoint_attention(model: nn.Module, *, streams: RNGStreams | None = None) -> nn.Module:
@@ -61,12 +85,11 @@ def checkpoint_attention(model: nn.Module, *, streams: RNGStreams | None = None)
 
     ``model``: a ``transformers`` model using the ``eager`` or ``sdpa`` attention implementation
     (e.g. ``GPT2LMHeadModel``, ``LlamaForCausalLM``), or seqpar's own ``GPT`` (switched to
-    ``recompute="selective"``). ``streams``: optional seqpar RNG streams; attention dropout then
-    draws from their per-TP-rank ``"tp"`` stream instead of torch's default generator. Attention
+    ``recompute="selective"``; it owns its streams). ``streams``: optional seqpar RNG streams;
+    attention dropout then draws from their per-TP-rank ``"tp"`` stream instead of torch's
+    default generator. Calling it again on the same model only replaces the streams. Attention
     weights are no longer returned (``output_attentions`` yields ``None``).
     """
-    from .model import GPT
-
     if isinstance(model, GPT):
         model.set_recompute("selective")
         return model
@@ -74,18 +97,15 @@ def checkpoint_attention(model: nn.Module, *, streams: RNGStreams | None = None)
     if not hasattr(model, "set_attn_implementation") or impl is None:
         raise ValueError(f"checkpoint_attention: {type(model).__name__} is neither seqpar's GPT nor a transformers "
                          f"model with a selectable attention implementation")
-    if impl.startswith(PREFIX):
-        return model
-    if impl not in ("eager", "sdpa"):
+    base = impl[len(PREFIX) + 1:] if impl.startswith(PREFIX + "_") else impl
+    if base not in IMPLS:
         raise ValueError(f"checkpoint_attention: supports the 'eager' and 'sdpa' attention implementations, "
                          f"the model uses {impl!r}")
-    from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    name = f"{PREFIX}_{impl}_{next(_counter)}"
-    AttentionInterface.register(name, _selective(impl, streams))
-    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])  # same masks as before
-    model.set_attn_implementation(name)
+    for module in model.modules():  # the attention modules among them read it when called
+        setattr(module, STREAMS_ATTR, streams)
+    if impl != base:
+        return model
+    model.set_attn_implementation(_registered(base))
     return model
 
 

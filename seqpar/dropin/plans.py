@@ -1,4 +1,4 @@
-"""Ready :class:`~seqpar.parallelize.Plan` s for Hugging Face ``transformers`` causal LMs.
+"""Ready :class:`~seqpar.dropin.Plan` s for Hugging Face ``transformers`` causal LMs.
 
 Both follow the paper's layout per block: norm (sequence shard) -> column-parallel projections
 (all-gather of the sequence fused in) -> attention on this rank's heads -> row-parallel output
@@ -10,7 +10,7 @@ full sequence as usual (and q / k leave their column layers with the full sequen
 """
 from __future__ import annotations
 
-from .parallelize import Plan, Style
+from .tensor_parallel import Plan, Style
 
 
 def gpt2() -> Plan:

@@ -24,12 +24,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .distributed.collectives import ProcessGroup, check_group, group_size
-from .distributed.grad_sync import install_sp_grad_hooks, mark_sp_replicated
-from .distributed.mesh import ParallelMesh
-from .distributed.regions import copy_to_tp, gather_from_sp, gather_to_replicated, scatter_to_sp
-from .layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from .layers._init import skip_init
+from ..distributed.collectives import ProcessGroup, check_group, group_size
+from ..distributed.grad_sync import install_sp_grad_hooks, mark_sp_replicated
+from ..distributed.mesh import ParallelMesh
+from ..distributed.regions import copy_to_tp, gather_from_sp, gather_to_replicated, scatter_to_sp
+from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from ..layers._init import skip_init
 
 Kind = Literal["column", "row", "vocab", "sequence", "enter_tp"]
 KINDS: tuple[str, ...] = get_args(Kind)
