@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..memory import ActivationLedger
+from ..sharding import interleave
 from .peer import BenchShape, Recompute
 
 LAYER_PATTERN = r"decoder\.layers\.\d+"  # Megatron's transformer layers: decoder.layers.3
@@ -145,8 +146,7 @@ def megatron_config(shape: BenchShape, tp_size: int, recompute: Recompute, seque
 def qkv_dense_to_megatron(w: torch.Tensor, heads: int) -> torch.Tensor:
     """Rows of a dense ``[3h, ...]`` QKV tensor: seqpar's ``[q; k; v]`` (``[3, a, d]`` rows) ->
     Megatron's per-head interleaved ``[a, 3, d]`` rows (head 0's q, k, v, then head 1's ...)."""
-    rest = w.shape[1:]
-    return w.reshape(3, heads, -1, *rest).transpose(0, 1).reshape(w.shape)
+    return interleave(w, 3, heads)
 
 
 def megatron_local_state(dense: dict[str, torch.Tensor], shape: BenchShape, tp_rank: int,

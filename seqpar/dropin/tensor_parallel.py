@@ -28,8 +28,8 @@ from ..distributed.collectives import ProcessGroup, check_group, group_size
 from ..distributed.grad_sync import install_sp_grad_hooks, mark_sp_replicated
 from ..distributed.mesh import ParallelMesh
 from ..distributed.regions import copy_to_tp, gather_from_sp, gather_to_replicated, scatter_to_sp
-from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from ..layers._init import skip_init
+from .. import sharding
+from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, skip_init
 
 Kind = Literal["column", "row", "vocab", "sequence", "enter_tp"]
 KINDS: tuple[str, ...] = get_args(Kind)
@@ -103,14 +103,6 @@ def _linear_dense(m: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``nn.Linear`` layout ``[out, in]`` weight and bias of a Linear or Conv1D."""
     w = m.weight.detach()
     return (w.t() if _is_conv1d(m) else w), (None if m.bias is None else m.bias.detach())
-
-
-def _tp_order(w: torch.Tensor, chunks: int, t: int, inverse: bool = False) -> torch.Tensor:
-    """Rows ``[c_0; c_1; ...]`` of ``chunks`` blocks <-> ``[c_0,r0; c_1,r0; ...; c_0,r1; ...]`` (rank-major)."""
-    if chunks == 1 or t == 1:
-        return w
-    a, b = (t, chunks) if inverse else (chunks, t)
-    return w.reshape(a, b, -1, *w.shape[1:]).transpose(0, 1).reshape(w.shape)
 
 
 def _style(value: str | Style, pattern: str) -> Style:
@@ -217,13 +209,12 @@ def _build(m: nn.Module, style: Style, group: ProcessGroup | None, sp: bool, seq
         new = RowParallelLinear(in_f, out_f, sequence_parallel=sp, **kw)
         new.load_dense(w, b)
         return new
-    t = group_size(group)
     if entered and style.kind == "column":
-        new = _GatheredColumn(in_f, out_f, **kw)
+        new = _GatheredColumn(in_f, out_f, chunks=style.chunks, **kw)
     else:
         new = ColumnParallelLinear(in_f, out_f, sequence_parallel=sp and style.kind == "column",
-                                   gather_output=style.kind == "vocab", **kw)
-    new.load_dense(_tp_order(w, style.chunks, t), None if b is None else _tp_order(b, style.chunks, t))
+                                   gather_output=style.kind == "vocab", chunks=style.chunks, **kw)
+    new.load_dense(w, b)  # the layer's layout puts each rank's part of every chunk together
     return new
 
 
@@ -312,18 +303,15 @@ def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state: Parallelized | None = getattr(model, "seqpar", None)
     if state is None:
         raise ValueError("dense_state_dict: the model was not parallelized by seqpar.parallelize")
-    out = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for name, (style, conv) in state.swapped.items():
-        m = model.get_submodule(name)
-        prefix = f"{name}." if name else ""
-        w = m.dense_weight()
-        if isinstance(m, ColumnParallelLinear):
-            w = _tp_order(w, style.chunks, state.tp_size, inverse=True)
-        out[prefix + "weight"] = w.t().contiguous() if conv else w
-        if getattr(m, "bias", None) is not None:
-            b = m.dense_bias()
-            out[prefix + "bias"] = _tp_order(b, style.chunks, state.tp_size, inverse=True) \
-                if isinstance(m, ColumnParallelLinear) else b
+    params = dict(model.named_parameters())
+    dense = sharding.to_dense(model, params, state.tp_group)  # every layout as its layer declares it
+    by_id = {id(p): dense[n] for n, p in params.items()}
+    out = {k: by_id[id(v)] if id(v) in by_id else v.detach().clone()
+           for k, v in model.state_dict(keep_vars=True).items()}
+    for name, (_, conv) in state.swapped.items():
+        if conv:  # GPT-2's Conv1D stores [in, out]
+            key = f"{name}.weight" if name else "weight"
+            out[key] = out[key].t().contiguous()
     return out
 
 
