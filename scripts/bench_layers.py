@@ -12,15 +12,14 @@ import argparse
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from seqpar.distributed.collectives import chunk_of
+from seqpar.distributed.local import run_local
 from seqpar.distributed.rng import RNGStreams
 from seqpar.layers import ColumnParallelLinear, RowParallelLinear
 from seqpar.model import Block, GPTConfig
@@ -53,9 +52,8 @@ def _layer(kind, args, group, sp):
     return Block(cfg, group, streams, (0.02, 0.02))
 
 
-def _worker(rank, world, init_file, args, queue):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _worker(rank, world, args) -> dict[str, list[float]]:
+    """One of the two ranks (run_local: gloo, one thread): time SP and plain TP round-robin."""
     g = dist.group.WORLD
     s, b, h = args.seq, args.batch, args.hidden
     torch.manual_seed(0)
@@ -73,9 +71,7 @@ def _worker(rank, world, init_file, args, queue):
             dist.barrier()
             if it >= args.warmup:
                 times[name].append(time.perf_counter() - t0)
-    if rank == 0:
-        queue.put(times)
-    dist.destroy_process_group()
+    return times
 
 
 def _single(args) -> list[float]:
@@ -107,15 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     what = "MLP" if args.layer == "mlp" else f"transformer layer (a={args.heads}, dropout 0.1)"
     print(f"{what} [s={args.seq}, b={args.batch}, h={args.hidden}, ffn={4 * args.hidden}], fp32, CPU gloo, "
           f"{args.repeats} timed steps after {args.warmup} warm-up, {os.cpu_count()} cores", flush=True)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_worker, args=(r, 2, os.path.join(d, "rdzv"), args, queue)) for r in range(2)]
-        for proc in procs:
-            proc.start()
-        times = queue.get()
-        for proc in procs:
-            proc.join()
+    times = run_local(_worker, 2, args, timeout=None)[0]  # rank 0's timings
     times["t=1"] = _single(args)
     base = statistics.median(times["t=2 TP"])
     print("\n| config | median ms / step | min ms | ratio to t=2 TP |\n|---|---|---|---|")

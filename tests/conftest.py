@@ -10,7 +10,8 @@ torch.set_num_threads(1)
 
 @pytest.fixture
 def spawn(tmp_path):
-    """``spawn(fn, world_size, *args)`` runs ``fn(mesh_args, *args)`` on ``world_size`` gloo ranks."""
+    """``spawn(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks
+    (:func:`seqpar.distributed.local.run_local`) and returns each rank's result in rank order."""
     from distributed_harness import run_ranks
 
     def _spawn(fn, world_size, *args):

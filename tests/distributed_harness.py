@@ -1,46 +1,25 @@
-"""Start gloo ranks with torch.multiprocessing and a file:// rendezvous (never a guessed port)."""
+"""Helpers for multi-rank tests: ranks come from seqpar's local launcher (file:// rendezvous)."""
 from __future__ import annotations
 
-import os
-import pickle
-import uuid
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from seqpar.distributed.local import run_local
 
-TIMEOUT = timedelta(seconds=60)  # a rank stuck in a collective fails the test instead of hanging it
-
-
-def _entry(rank, fn, world_size, init_file, out_dir, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size,
-                            timeout=TIMEOUT)
-    try:
-        result = fn(rank, world_size, *args)
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(result, f)
-    finally:
-        dist.destroy_process_group()
+COLLECTIVE_TIMEOUT_S = 60  # a rank stuck in a collective fails the test instead of hanging it
+TEST_TIMEOUT_S = 600       # a whole multi-rank call past this is killed
 
 
 def run_ranks(fn, world_size: int, tmp_path: Path, *args) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return each rank's result.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return each rank's result.
 
-    ``fn`` must be a module-level function. Exceptions on any rank fail the calling test.
+    ``fn`` must be a module-level function. An exception on any rank fails the calling test with
+    that rank's traceback (:class:`seqpar.distributed.local.RankFailed`).
     """
-    run_dir = Path(tmp_path) / f"ranks-{uuid.uuid4().hex[:8]}"
-    run_dir.mkdir(parents=True)
-    mp.spawn(_entry, args=(fn, world_size, str(run_dir / "rendezvous"), str(run_dir), args), nprocs=world_size,
-             join=True)
-    results = []
-    for r in range(world_size):
-        with open(run_dir / f"rank{r}.pkl", "rb") as f:
-            results.append(pickle.load(f))
-    return results
+    return run_local(fn, world_size, *args, timeout=TEST_TIMEOUT_S, collective_timeout=COLLECTIVE_TIMEOUT_S,
+                     tmp_dir=tmp_path)
 
 
 def tp_group_of(t: int):

@@ -8,25 +8,21 @@ ratio in `seqpar bench` can be read off op by op.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 
-import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.profiler import ProfilerActivity, profile
 
 from seqpar.bench.peer import BenchShape
 from seqpar.bench.runner import _batch, load_peer
 from seqpar.bench.seqpar_peer import gpt_config
+from seqpar.distributed.local import run_local
 from seqpar.distributed.mesh import ParallelMesh
 from seqpar.model import GPT
 
 
-def _entry(rank, world, init_file, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+def _entry(rank, world, args) -> None:
+    """One of the ranks (run_local: gloo, one thread): profile each system; rank 0 prints."""
     shape = BenchShape(seq_len=args.seq, hidden=args.hidden, heads=args.heads, layers=args.layers)
     tokens, labels = _batch(shape, 0)
     dense = GPT(gpt_config(shape, "none"), ParallelMesh.for_tp_group(dist.group.WORLD), seed=0).dense_state_dict()
@@ -41,8 +37,7 @@ def _entry(rank, world, init_file, args):
                 peer.step(tokens, labels)
         if rank == 0:
             print(f"\n=== {name}, recompute={args.recompute}, 3 steps, rank 0 ===")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows))
-    dist.destroy_process_group()
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows), flush=True)
 
 
 def main(argv: list[str]) -> int:
@@ -55,8 +50,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--rows", type=int, default=15)
     args = p.parse_args(argv)
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_entry, args=(2, os.path.join(d, "rdzv"), args), nprocs=2)
+    run_local(_entry, 2, args, timeout=None)
     return 0
 
 

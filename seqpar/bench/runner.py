@@ -7,23 +7,21 @@ loss and saved bytes per layer are recorded, then all configurations are timed r
 from __future__ import annotations
 
 import importlib
-import os
-import queue as queue_mod
 import statistics
-import tempfile
 import time
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ..distributed.collectives import count_comm
+from ..distributed.local import run_local
 from ..model import GPT
 from .peer import BenchShape
 from ..distributed.mesh import ParallelMesh
 from .seqpar_peer import gpt_config
+
+COLLECTIVE_TIMEOUT_S = 300  # a rank stuck in a collective fails the run instead of hanging it
 
 PEERS = {
     "seqpar": "seqpar.bench.seqpar_peer:SeqparPeer",
@@ -102,43 +100,15 @@ def measure(shape: BenchShape, systems: list[str], recomputes: list[str], *, rep
     return {"results": [asdict(r) | {"median": r.median} for _, r in configs], "comm": comm}
 
 
-def _entry(rank, world, init_file, shape, systems, recomputes, repeats, warmup, queue):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=timedelta(minutes=5))
-    try:
-        out = measure(shape, systems, recomputes, repeats=repeats, warmup=warmup)
-        if rank == 0:
-            queue.put(out)
-    except BaseException as e:  # make the parent fail fast instead of waiting on the queue
-        if rank == 0:
-            queue.put({"error": f"{type(e).__name__}: {e}"})
-        raise
-    finally:
-        dist.destroy_process_group()
+def _rank_measure(rank: int, world: int, shape: BenchShape, systems: list[str], recomputes: list[str],
+                  repeats: int, warmup: int) -> dict:
+    """One rank of :func:`run_spawned`: the world is the TP group."""
+    return measure(shape, systems, recomputes, repeats=repeats, warmup=warmup)
 
 
 def run_spawned(shape: BenchShape, systems: list[str], recomputes: list[str], *, tp: int, repeats: int,
                 warmup: int) -> dict:
-    """Start ``tp`` CPU gloo ranks (file:// rendezvous, one thread each) and run :func:`measure`."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as d:
-        procs = [ctx.Process(target=_entry, args=(r, tp, os.path.join(d, "rdzv"), shape, systems, recomputes,
-                                                  repeats, warmup, queue)) for r in range(tp)]
-        for p in procs:
-            p.start()
-        while True:
-            try:
-                out = queue.get(timeout=1.0)
-                break
-            except queue_mod.Empty:
-                if any(p.exitcode not in (None, 0) for p in procs):  # a rank died: stop the others
-                    for p in procs:
-                        p.terminate()
-                    raise RuntimeError("a benchmark rank failed; see its traceback above")
-        for p in procs:
-            p.join()
-    if "error" in out:
-        raise RuntimeError(f"benchmark failed on rank 0: {out['error']}")
-    return out
+    """Start ``tp`` CPU gloo ranks (:func:`~seqpar.distributed.local.run_local`, one thread each) and run
+    :func:`measure`; rank 0's results. A failing rank raises its error with its traceback."""
+    return run_local(_rank_measure, tp, shape, systems, recomputes, repeats, warmup, timeout=None,
+                     collective_timeout=COLLECTIVE_TIMEOUT_S)[0]

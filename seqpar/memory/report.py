@@ -11,13 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import json
 import sys
-import tempfile
-from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
+from ..distributed.local import run_local
 from ..model.config import GPTConfig
 from .formulas import (PAPER_MODELS, ModelShape, Technique, bytes_per_layer, extra_bytes, gib,
                        interleave_factor, load_sections, paper_config_dir, per_gpu_bytes, ratio_to_tp,
@@ -31,7 +29,8 @@ ROWS: dict[Technique, tuple[str, bool, str]] = {
     "tp_sp_selective": ("TP + SP + selective", True, "selective"),
     "full": ("full recompute", False, "full"),
 }
-RANK_TIMEOUT = timedelta(minutes=2)  # a rank stuck in a collective fails the run instead of hanging it
+RANK_TIMEOUT_S = 120  # a rank stuck in a collective fails the run instead of hanging it
+RUN_TIMEOUT_S = 1800  # a measurement still running after this is killed
 
 
 @dataclasses.dataclass
@@ -104,49 +103,39 @@ def table(shape: ModelShape, measured: dict[str, int] | None = None) -> str:
     return "\n".join(lines)
 
 
-def _rank_main(rank: int, t: int, base: GPTConfig, b: int, run_dir: str) -> None:
-    """One gloo rank: build the model once per technique and record each layer's saved bytes."""
+def _rank_main(rank: int, t: int, base: GPTConfig, b: int) -> dict[str, list[int]]:
+    """One gloo rank: build the model once per technique and return each layer's saved bytes."""
     import torch
-    import torch.distributed as dist
 
     from ..distributed import init_parallel
     from ..model import GPT
     from .ledger import ActivationLedger
 
-    torch.set_num_threads(1)  # t ranks share this machine's cores
-    mesh = init_parallel(tp=t, rank=rank, world_size=t, init_method=f"file://{run_dir}/rendezvous",
-                         backend="gloo", timeout=RANK_TIMEOUT)
+    mesh = init_parallel(tp=t, backend="gloo")  # over the group run_local started
     out: dict[str, list[int]] = {}
-    try:
-        for i, (tech, (label, sp, recompute)) in enumerate(ROWS.items()):
-            cfg = dataclasses.replace(base, dtype="bfloat16", attention="math", dropout=0.1, attention_dropout=0.1,
-                                      sequence_parallel=sp, recompute=recompute, recompute_method="uniform",
-                                      recompute_num_layers=1)
-            net = GPT(cfg, mesh, seed=0)
-            tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-            with ActivationLedger(net) as ledger:
-                net(tokens, tokens)  # forward only: the ledger sees what backward would need
-            out[tech] = list(ledger.per_layer().values())
-            if rank == 0:
-                print(f"  [{i + 1}/{len(ROWS)}] {label}: {human(max(out[tech]))} per layer (rank 0)",
-                      file=sys.stderr, flush=True)
-            del net, ledger
-        Path(run_dir, f"rank{rank}.json").write_text(json.dumps(out))
-    finally:
-        dist.destroy_process_group()
+    for i, (tech, (label, sp, recompute)) in enumerate(ROWS.items()):
+        cfg = dataclasses.replace(base, dtype="bfloat16", attention="math", dropout=0.1, attention_dropout=0.1,
+                                  sequence_parallel=sp, recompute=recompute, recompute_method="uniform",
+                                  recompute_num_layers=1)
+        net = GPT(cfg, mesh, seed=0)
+        tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+        with ActivationLedger(net) as ledger:
+            net(tokens, tokens)  # forward only: the ledger sees what backward would need
+        out[tech] = list(ledger.per_layer().values())
+        if rank == 0:
+            print(f"  [{i + 1}/{len(ROWS)}] {label}: {human(max(out[tech]))} per layer (rank 0)",
+                  file=sys.stderr, flush=True)
+        del net, ledger
+    return out
 
 
 def measure(e: Entry) -> dict[str, int]:
     """Per-layer bytes each technique keeps (the largest over layers and ranks), on t gloo ranks.
 
-    Ranks are processes on this machine meeting through a ``file://`` rendezvous in a temp dir.
+    Ranks are processes on this machine started by :func:`~seqpar.distributed.local.run_local`.
     """
-    import torch.multiprocessing as mp
-
-    t = e.shape.t
-    with tempfile.TemporaryDirectory(prefix="seqpar-memory-") as run_dir:
-        mp.spawn(_rank_main, args=(t, e.model, e.shape.b, run_dir), nprocs=t, join=True)
-        ranks = [json.loads(Path(run_dir, f"rank{r}.json").read_text()) for r in range(t)]
+    ranks = run_local(_rank_main, e.shape.t, e.model, e.shape.b, timeout=RUN_TIMEOUT_S,
+                      collective_timeout=RANK_TIMEOUT_S)
     return {tech: max(max(r[tech]) for r in ranks) for tech in ROWS}
 
 
