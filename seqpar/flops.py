@@ -7,6 +7,8 @@ e.g. 72BLsh^2(1 + s/(6h) + v/(12hL)) = 72BLsh^2 + 12BLs^2h + 6Bshv.
 """
 from __future__ import annotations
 
+import math
+import os
 from typing import Literal
 
 Recompute = Literal["none", "selective", "full"]
@@ -94,19 +96,33 @@ PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
     ("h100 nvl", 835e12),
     ("h100", 989e12),  # SXM
     ("h800", 989e12),
-    ("h200", 989e12),  # also matches GH200
+    ("h200 nvl", 835e12),
+    ("h200", 989e12),  # SXM; also matches GH200
     ("b200", 2250e12),
     ("l40s", 362e12),
     ("mi300x", 1307e12),
 )
 
 
+PEAK_ENV = "SEQPAR_PEAK_TFLOPS"  # overrides the table: peak dense TFLOP/s of one device
+
+
 def peak_flops(device_name: str) -> float | None:
     """Peak dense bf16 FLOP/s for a device name such as ``torch.cuda.get_device_name()``.
 
-    ``"NVIDIA A100-SXM4-80GB"`` -> 312e12; ``"NVIDIA H200"`` -> 989e12. None for CPUs and
-    devices not in :data:`PEAK_BF16_FLOPS`.
+    ``"NVIDIA A100-SXM4-80GB"`` -> 312e12; ``"NVIDIA H200"`` (SXM) -> 989e12; ``"NVIDIA H200 NVL"``
+    -> 835e12. ``$SEQPAR_PEAK_TFLOPS`` (e.g. ``800``) overrides the table for any device. None
+    for CPUs and devices not in :data:`PEAK_BF16_FLOPS`.
     """
+    override = os.environ.get(PEAK_ENV, "").strip()
+    if override:
+        try:
+            value = float(override)
+        except ValueError:
+            value = float("nan")
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError(f"{PEAK_ENV} must be a positive number of TFLOP/s, got {override!r}")
+        return value * 1e12
     name = device_name.lower()
     for key, peak in PEAK_BF16_FLOPS:
         if key in name:

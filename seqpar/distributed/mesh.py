@@ -90,6 +90,36 @@ def _restart_scoped_store(world_size: int, timeout: timedelta) -> dict:
                 world_size=world_size)
 
 
+MIXED_BACKEND = "cpu:gloo,cuda:nccl"
+
+
+def _choose_backend(backend: str | None) -> str:
+    """The existing group's backend, else ``backend``, else the mixed one on CUDA and gloo on CPU."""
+    if dist.is_initialized():
+        return str(dist.get_backend())
+    if backend is not None:
+        return backend
+    return MIXED_BACKEND if torch.cuda.is_available() else "gloo"
+
+
+def _rank_device(backend: str) -> torch.device:
+    """This rank's device: ``cuda:LOCAL_RANK`` when ``backend`` uses NCCL, else the CPU. Raises
+    (before any group exists) when this node starts more ranks than it has GPUs."""
+    if "nccl" not in backend:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(f"backend {backend!r} needs CUDA, but no GPU is visible to this process")
+    gpus = torch.cuda.device_count()
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if local_world > gpus or local_rank >= gpus:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local_world} ranks on this node (LOCAL_RANK={local_rank}) but only "
+                         f"{gpus} GPU(s) are visible: NCCL needs one GPU per rank. Start at most {gpus} "
+                         f"processes per node (torchrun --nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
 def init_parallel(tp: int = 1, dp: int | None = None, *, rank: int | None = None,
                   world_size: int | None = None, init_method: str | None = None,
                   backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelMesh:
@@ -98,32 +128,28 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, rank: int | None = None
     Under torchrun, ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` come from the environment.
     Tests pass ``rank``, ``world_size`` and a ``file://`` ``init_method`` explicitly. With no
     environment, no explicit world and ``tp == dp == 1`` (or ``dp`` None) a one-rank mesh is
-    returned without any process group. Backend: NCCL when CUDA is available, else gloo.
+    returned without any process group. Backend: ``"cpu:gloo,cuda:nccl"`` when CUDA is available
+    (CUDA tensors over NCCL; small host-side scalars still work over gloo), else gloo; an
+    already-initialised group keeps its backend (a gloo group on a GPU machine stays on CPU).
     ``timeout`` bounds every collective, so a dead peer fails the job instead of hanging it.
     """
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     dp = validate_layout(tp, dp, world_size)
-    cuda = torch.cuda.is_available() and (backend in (None, "nccl"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cuda:
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    backend = _choose_backend(backend)
+    device = _rank_device(backend)
 
     if world_size == 1 and not dist.is_initialized() and init_method is None and "MASTER_ADDR" not in os.environ:
         return ParallelMesh.single(device)
 
     if not dist.is_initialized():
-        backend = backend or ("nccl" if cuda else "gloo")
         kwargs: dict = dict(backend=backend, timeout=timeout)
         if init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             kwargs.update(_restart_scoped_store(world_size, timeout))
         elif init_method is not None:
             kwargs.update(init_method=init_method, rank=rank if rank is not None else int(os.environ.get("RANK", "0")),
                           world_size=world_size)
-        if cuda:
+        if device.type == "cuda":
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
 

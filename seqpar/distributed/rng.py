@@ -38,21 +38,45 @@ def _seeded_state(device: torch.device, seed: int) -> torch.Tensor:
 
 
 class RNGStreams:
-    """Named generator states for dropout; see the module docstring."""
+    """Named generator states for dropout; see the module docstring.
+
+    The streams live on ``device`` (a CUDA generator's state differs from the CPU's); a model
+    moves its streams with its parameters (:meth:`to`), re-seeding them for the new device.
+    """
 
     def __init__(self, seed: int, tp_rank: int = 0, device: str | torch.device = "cpu"):
-        self.device = torch.device(device)
         self.seed, self.tp_rank = seed, tp_rank
-        self.states: dict[str, torch.Tensor] = {
-            "replicated": _seeded_state(self.device, seed),
-            "tp": _seeded_state(self.device, seed + TP_SEED_OFFSET + tp_rank),
-        }
+        self.device = torch.device(device)
+        self._states: dict[str, torch.Tensor] | None = None  # seeded on first use, on self.device
+        self._drawn = False
+
+    @property
+    def states(self) -> dict[str, torch.Tensor]:
+        if self._states is None:
+            self._states = {"replicated": _seeded_state(self.device, self.seed),
+                            "tp": _seeded_state(self.device, self.seed + TP_SEED_OFFSET + self.tp_rank)}
+        return self._states
+
+    def to(self, device: str | torch.device) -> "RNGStreams":
+        """Move the streams to ``device`` (a no-op on the same device). They restart from the seed
+        there, so this must happen before any draw: moving streams that have already drawn raises."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device == self.device:
+            return self
+        if self._drawn:
+            raise RuntimeError(f"the dropout RNG streams have already drawn on {self.device}; move the model to "
+                               f"{device} before training (or restore a checkpoint's RNG state after moving)")
+        self.device, self._states = device, None
+        return self
 
     @contextmanager
     def fork(self, name: str = "tp") -> Iterator[None]:
         """Draw from stream ``name`` inside the block; the default generator is untouched after."""
         if name not in self.states:
             raise ValueError(f"unknown RNG stream {name!r}; known: {sorted(self.states)}")
+        self._drawn = True
         saved = _get_device_state(self.device)
         _set_device_state(self.device, self.states[name])
         try:
@@ -68,7 +92,7 @@ class RNGStreams:
         missing = set(self.states) - set(states)
         if missing:
             raise ValueError(f"RNG state is missing streams {sorted(missing)}")
-        self.states = {k: v.clone() for k, v in states.items()}
+        self._states = {k: v.clone() for k, v in states.items()}
 
 
 def capture_rng(streams: RNGStreams | None = None) -> dict:

@@ -105,6 +105,12 @@ class GPT(nn.Module):
         self.to(mesh.device)
         self.set_recompute(config.recompute, config.recompute_method, config.recompute_num_layers)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()`` / ``.cuda()`` / ``.half()`` ...: the dropout streams follow the parameters' device."""
+        out = super()._apply(fn, recurse)
+        self.rng.to(self.wte.weight.device)
+        return out
+
     # ------------------------------------------------------------------ recomputation
     def set_recompute(self, mode: str, method: str = "uniform", num_layers: int = 1) -> None:
         """Choose what backward recomputes: "none", "selective" (attention core) or "full"."""
