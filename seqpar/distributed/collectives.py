@@ -110,6 +110,23 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = 
     return dist.all_reduce(x, op=op, group=group, async_op=async_op)
 
 
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: ProcessGroup | None, *, mean: bool = False) -> None:
+    """Sum (or average) ``tensors`` in place over ``group`` with one all-reduce per dtype through a
+    flat buffer (gradient reductions: one collective, not one per parameter)."""
+    t = group_size(group)
+    if t == 1 or not tensors:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for x in tensors:
+        by_dtype.setdefault(x.dtype, []).append(x)
+    for xs in by_dtype.values():
+        flat = torch.cat([x.reshape(-1) for x in xs])
+        all_reduce(flat, group)
+        if mean:
+            flat.div_(t)
+        torch._foreach_copy_(xs, [f.view_as(x) for f, x in zip(flat.split([x.numel() for x in xs]), xs)])
+
+
 def all_gather_dim0(x: torch.Tensor, group: ProcessGroup | None, *, out: torch.Tensor | None = None,
                     async_op: bool = False):
     """All-gather ``x`` ``[n, ...]`` into ``[t*n, ...]`` (rank order). Returns ``(out, handle)``."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -62,10 +63,12 @@ class ActivationLedger:
     >>> ledger.per_layer()        # {"blocks.0": bytes, ...}
     """
 
-    def __init__(self, model: nn.Module, layer_pattern: str = r"blocks\.\d+"):
+    def __init__(self, model: nn.Module, layer_pattern: str = r"blocks\.\d+", exclude: Iterable[torch.Tensor] = ()):
         """``layer_pattern``: regex matching the qualified names of the transformer layers
-        (seqpar's GPT: ``blocks.3``; other systems name them differently)."""
+        (seqpar's GPT: ``blocks.3``; other systems name them differently). ``exclude``: more
+        weight tensors that are not activations (e.g. the bf16 compute copies of the parameters)."""
         self.model = model
+        self._exclude = list(exclude)
         self._layer_re = re.compile(rf"^(.*?{layer_pattern})(?:\.(.*))?$")
         self.records: list[SavedTensor] = []
         self._stack: list[str] = []
@@ -78,7 +81,8 @@ class ActivationLedger:
         return _local(t).untyped_storage().data_ptr()
 
     def __enter__(self) -> "ActivationLedger":
-        self._skip = {self._ptr(p) for p in self.model.parameters()} | {self._ptr(b) for b in self.model.buffers()}
+        weights = [*self.model.parameters(), *self.model.buffers(), *self._exclude]
+        self._skip = {self._ptr(w) for w in weights}
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post(), always_call=True))

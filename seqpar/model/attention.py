@@ -54,7 +54,10 @@ class CoreAttention(nn.Module):
             # one fused op: causal bias + scale * QK^T (the bias is a broadcast view, never saved)
             scores = torch.baddbmm(self._causal_bias(s, q.dtype, q.device).expand(b * a, s, s), qb, kt,
                                    alpha=self.scale)                  # [b*a, s, s]
-            probs = torch.softmax(scores, dim=-1)
+            # in the scores' dtype (bf16 stays bf16, accumulated in fp32 by the kernel): autocast would
+            # upcast the output to fp32 and double the 2as^2b bytes Table 2 counts for it
+            with torch.autocast(q.device.type, enabled=False):
+                probs = torch.softmax(scores, dim=-1)
             if p > 0:
                 probs, _ = torch.native_dropout(probs, p, True)        # keeps a 1-byte mask
             ctx = torch.bmm(probs, vb)                                 # [b*a, s, d]

@@ -1,0 +1,111 @@
+"""Numeric precision of training: fp32, the paper's bf16 recipe, or bf16 autocast.
+
+``train.precision``:
+
+* ``fp32``: parameters, activations and gradients in fp32.
+* ``bf16`` (the paper's recipe): the model's parameters are the fp32 *master* weights the
+  optimizer updates (AdamW states fp32 too). Once per optimizer step they are cast to bf16 leaf
+  tensors, and every micro-batch runs on those (:meth:`Precision.weights_in`): activations,
+  the residual stream, LayerNorm inputs and the recompute inputs are bf16, as Table 2 counts
+  them. Each micro-batch's bf16 gradients are added into the fp32 ``.grad`` of the master
+  weights, so accumulation over micro-batches and the data-parallel reduction run in fp32.
+* ``bf16-autocast``: ``torch.autocast`` over fp32 parameters (bf16 matmuls; fp32 residual stream
+  and norms, so ~1.3x Table 2's activation bytes).
+* ``auto``: ``bf16`` on CUDA, ``fp32`` on CPU.
+
+In every bf16 mode the attention softmax reads bf16 scores, accumulates in fp32 and writes a
+bf16 output (see :class:`seqpar.model.attention.CoreAttention`).
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator, Literal
+
+import torch
+import torch.nn as nn
+
+PrecisionName = Literal["auto", "fp32", "bf16", "bf16-autocast"]
+PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "bf16-autocast")
+
+
+def resolve_precision(name: str, device: torch.device) -> str:
+    """``auto`` -> ``bf16`` on CUDA, ``fp32`` elsewhere; other names are returned as given."""
+    if name not in PRECISIONS:
+        raise ValueError(f"train.precision must be one of {PRECISIONS}, got {name!r}")
+    if name == "auto":
+        return "bf16" if torch.device(device).type == "cuda" else "fp32"
+    return name
+
+
+class Precision:
+    """How a training step runs its forward and backward in one precision mode."""
+
+    def __init__(self, name: str, device: torch.device):
+        self.name = resolve_precision(name, device)
+        self.device = torch.device(device)
+
+    @property
+    def master_weights(self) -> bool:
+        """True when the model's parameters are fp32 masters and compute runs on bf16 copies."""
+        return self.name == "bf16"
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per activation element that the memory formulas should count."""
+        return 4 if self.name == "fp32" else 2
+
+    def check_model(self, model: nn.Module) -> None:
+        """The bf16 recipe needs fp32 master parameters (``model.dtype: float32``)."""
+        if self.master_weights:
+            bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
+            if bad:
+                raise ValueError(f"train.precision=bf16 keeps fp32 master weights and computes in bf16: build the "
+                                 f"model in float32 (model.dtype), got parameters of dtype {bad}")
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.name == "bf16-autocast":
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def compute_weights(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
+        """bf16 leaf copies of the parameters for this optimizer step (None unless ``bf16``)."""
+        if not self.master_weights:
+            return None
+        return {n: p.detach().to(torch.bfloat16).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+
+    @contextlib.contextmanager
+    def weights_in(self, model: nn.Module, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
+        """Inside the block ``model`` computes with ``weights`` (the bf16 copies) in place of its
+        parameters: its forward *and* backward, so full recomputation re-runs on the same copies.
+        Nothing happens when ``weights`` is None."""
+        if weights is None:
+            yield
+            return
+        by_id = {id(p): weights[n] for n, p in model.named_parameters()}
+        swapped = [(m, name, p) for m in model.modules() for name, p in m._parameters.items()
+                   if p is not None and id(p) in by_id]
+        for m, name, p in swapped:
+            m._parameters[name] = by_id[id(p)]
+        try:
+            yield
+        finally:
+            for m, name, p in swapped:
+                m._parameters[name] = p
+
+    @torch.no_grad()
+    def accumulate(self, model: nn.Module, weights: dict[str, torch.Tensor] | None) -> None:
+        """Add the bf16 copies' gradients into the fp32 masters' ``.grad`` (after each micro-batch)."""
+        if weights is None:
+            return
+        for name, p in model.named_parameters():
+            g = weights[name].grad
+            if g is None:
+                continue
+            if p.grad is None:
+                p.grad = g.to(torch.float32)
+            else:
+                p.grad.add_(g)
+            weights[name].grad = None
+
+
+__all__ = ["PRECISIONS", "Precision", "PrecisionName", "resolve_precision"]
