@@ -7,7 +7,7 @@ from typing import Literal, Optional
 
 import pytest
 
-from seqpar.config import (ConfigError, dump_yaml, from_dict, load, load_run_config, load_sections, merge,
+from seqpar.config import (ConfigError, dump, dump_yaml, from_dict, load, load_run_config, load_sections, merge,
                            parse_overrides, resolve_config, shipped_configs, shipped_dir, to_dict)
 
 
@@ -216,3 +216,143 @@ def test_every_shipped_run_config_loads_strictly():
     for name in shipped_configs():
         if not name.startswith("paper/"):  # paper/ models use pp > 1: memory planning only
             load_run_config(name)
+
+
+# --------------------------------------------------------------------------- values checked where they enter
+
+@pytest.mark.parametrize("override, key, shown", [
+    ("train.global_batch=0", "train.global_batch", "0"),
+    ("train.global_batch=-8", "train.global_batch", "-8"),
+    ("train.lr=.nan", "train.lr", "nan"),
+    ("train.lr=.inf", "train.lr", "inf"),
+    ("train.min_lr=.nan", "train.min_lr", "nan"),
+    ("train.min_lr=-.inf", "train.min_lr", "-inf"),
+    ("train.beta1=1.0", "train.beta1", "1.0"),
+    ("train.beta1=-0.1", "train.beta1", "-0.1"),
+    ("train.beta2=1.5", "train.beta2", "1.5"),
+    ("train.beta2=.nan", "train.beta2", "nan"),
+    ("train.weight_decay=-0.01", "train.weight_decay", "-0.01"),
+    ("train.weight_decay=.nan", "train.weight_decay", "nan"),
+    ("train.grad_clip=-1", "train.grad_clip", "-1.0"),
+    ("train.threads_per_rank=0", "train.threads_per_rank", "0"),
+    ("train.warmup_steps=-1", "train.warmup_steps", "-1"),
+    ("train.eval_interval=-5", "train.eval_interval", "-5"),
+    ("train.eval_batches=0", "train.eval_batches", "0"),
+    ("train.nonfinite_grads=ignore", "train.nonfinite_grads", "'ignore'"),
+    ("parallel.timeout_minutes=0", "parallel.timeout_minutes", "0.0"),
+    ("parallel.timeout_minutes=-3", "parallel.timeout_minutes", "-3.0"),
+    ("parallel.timeout_minutes=.inf", "parallel.timeout_minutes", "inf"),
+    ("parallel.tp=0", "parallel.tp", "0"),
+    ("parallel.dp=-2", "parallel.dp", "-2"),
+    ("model.layernorm_eps=0", "model.layernorm_eps", "0.0"),
+    ("model.layernorm_eps=-1e-5", "model.layernorm_eps", "-1e-05"),
+    ("model.init_std=.nan", "model.init_std", "nan"),
+    ("model.init_std=.inf", "model.init_std", "inf"),
+    ("model.dropout=1.0", "model.dropout", "1.0"),
+    ("data.eval_fraction=0", "data.eval_fraction", "0.0"),
+    ("data.eval_fraction=1", "data.eval_fraction", "1.0"),
+    ("data.eval_fraction=.nan", "data.eval_fraction", "nan"),
+    ("data.max_bytes=0", "data.max_bytes", "0"),
+    ("checkpoint.keep=0", "checkpoint.keep", "0"),
+    ("checkpoint.interval=-1", "checkpoint.interval", "-1"),
+])
+def test_bad_values_are_refused_at_load_naming_the_dotted_key_and_value(override, key, shown, tmp_path):
+    with pytest.raises(ConfigError) as err:  # a ConfigError, at load time: before any data or process work
+        load_run_config(None, [override])
+    assert key in str(err.value) and shown in str(err.value), str(err.value)
+    section, name = key.split(".")
+    path = tmp_path / "run.yaml"  # the same value from a file
+    path.write_text(f"{section}:\n  {name}: {override.split('=', 1)[1]}\n")
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        load_run_config(path)
+
+
+def test_nonfinite_grads_is_a_train_key():
+    assert load_run_config(None).train.nonfinite_grads == "stop"
+    assert load_run_config(None, ["train.nonfinite_grads=skip"]).train.nonfinite_grads == "skip"
+
+
+def test_good_edge_values_still_load():
+    cfg = load_run_config(None, ["train.beta1=0", "train.beta2=0.999", "train.weight_decay=0", "train.min_lr=0",
+                                 "train.grad_clip=0", "train.global_batch=null", "model.init_std=0",
+                                 "data.eval_fraction=0.5", "parallel.timeout_minutes=0.5", "train.warmup_steps=0"])
+    assert cfg.train.beta1 == 0.0 and cfg.train.global_batch is None and cfg.data.eval_fraction == 0.5
+
+
+def test_python_built_configs_are_checked_by_validate():
+    from seqpar.config import RunConfig, TrainConfig
+    with pytest.raises(ValueError, match=r"train\.lr must be a finite number"):
+        RunConfig(train=TrainConfig(lr=float("nan"))).validate()  # what the Trainer calls on every rank
+
+
+def _alias_bomb(levels: int, width: int) -> str:
+    """``[[x]*w, [that]*w, ...]``: a few hundred bytes of YAML whose value prints as width**levels items."""
+    items = [f"&l0 [{', '.join(['x'] * width)}]"]
+    items += [f"&l{i} [{', '.join([f'*l{i - 1}'] * width)}]" for i in range(1, levels)]
+    return "[" + ", ".join(items) + "]"
+
+
+@pytest.mark.parametrize("key", ["train.lr", "train.global_batch", "model.activation", "checkpoint.dir"])
+def test_error_messages_cap_the_printed_value(key, tmp_path):
+    section, name = key.split(".")
+    path = tmp_path / "bomb.yaml"
+    path.write_text(f"{section}:\n  {name}: {_alias_bomb(6, 10)}\n")  # prints as 10**6 items, ~5 MB
+    assert path.stat().st_size < 1000
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path)
+    assert key in str(err.value) and len(str(err.value)) < 500, len(str(err.value))
+
+
+def test_long_values_and_keys_are_capped_in_messages(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_run_config(None, ["train.lr=" + "x" * 100_000])
+    assert "train.lr" in str(err.value) and len(str(err.value)) < 1000
+    path = tmp_path / "run.yaml"
+    path.write_text(f"train:\n  {'k' * 1000}: 1\n")  # YAML caps plain keys at 1024
+    with pytest.raises(ConfigError) as err:
+        load_run_config(path)
+    assert "unknown key 'train.kkk" in str(err.value) and len(str(err.value)) < 1000
+
+
+def test_empty_override_value_is_an_error_not_the_default():
+    for item in ("train.global_batch=", "data.source=", "train.lr=  "):
+        with pytest.raises(ConfigError, match=re.escape(f"override {item!r}") + r".*empty"):
+            parse_overrides([item])
+    assert parse_overrides(["train.global_batch=null"]) == {"train": {"global_batch": None}}
+
+
+@pytest.mark.parametrize("raw, value", [
+    ("010", 10), ("-007", -7), ("0o17", 15), ("0x1f", 31), ("1_000", "1_000"), ("1:30", "1:30"),
+    ("0b101", "0b101"), ("yes", "yes"), ("no", "no"), ("on", "on"), ("off", "off"), ("y", "y"),
+    ("true", True), ("false", False), ("True", True), ("FALSE", False), ("null", None), ("~", None),
+    ("3e-4", 3e-4), ("1E3", 1000.0), ("-.5", -0.5), ("1.", 1.0), ("2024-01-01", "2024-01-01"), ("=", "="),
+    ("run #1", "run #1"), ("a#b", "a#b"), ("#x", "#x"), ("a: b", "a: b"), ("- a", "- a"), ("*ref", "*ref"),
+    ("!!python/name:os.system", "!!python/name:os.system"), ("'010'", "010"), ('"a # b"', "a # b"),
+    ("[1, 010]", [1, 10]), ("{a: 0o10}", {"a": 8}),
+])
+def test_override_values_are_yaml_1_2_scalars(raw, value):
+    got = parse_overrides([f"k={raw}"])["k"]
+    assert got == value and type(got) is type(value), (raw, got)
+
+
+def test_override_comment_after_a_quoted_or_flow_value_is_refused():
+    for item in ("k='a' # b", "k=[1, 2] # two"):
+        with pytest.raises(ConfigError, match=re.escape(repr(item))):
+            parse_overrides([item])
+
+
+def test_files_are_read_as_yaml_1_2_and_dumped_so_they_read_back(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  steps: 010\n  seed: 0x10\n  micro_batch: 1_0\n")
+    with pytest.raises(ConfigError, match=r"train\.micro_batch: expected int, got '1_0'"):
+        load_run_config(path)
+    path.write_text("train:\n  steps: 010\n  seed: 0x10\nmodel:\n  bias: false\nout_dir: 1:30\n"
+                    "checkpoint:\n  dir: 2024-01-01\n")
+    cfg = load_run_config(path)
+    assert (cfg.train.steps, cfg.train.seed, cfg.out_dir, cfg.checkpoint.dir) == (10, 16, "1:30", "2024-01-01")
+    path.write_text("model:\n  bias: no\n")
+    with pytest.raises(ConfigError, match=r"model\.bias: expected bool, got 'no'"):
+        load_run_config(path)
+    odd = load_run_config(None, ["out_dir='0o17'", "data.source='09'", "checkpoint.dir=yes", "data.cache_dir='1e5'"])
+    path.write_text(dump(odd))  # strings that 1.2 would read as numbers are quoted when dumped
+    assert load_run_config(path) == odd

@@ -2,8 +2,14 @@
 
 Precedence: command-line overrides > file > dataclass defaults. Every key is checked: an unknown
 key, a value of the wrong type or a missing required field raises :class:`ConfigError` naming the
-full dotted key (``train.lr``) and the offending value. After a dataclass is built, its
-``validate()`` method runs if it has one, so cross-field checks live next to the fields.
+full dotted key (``train.lr``) and the offending value, printed at most ~100 characters long (a
+YAML alias bomb must not build a megabyte message). After a dataclass is built, its ``validate()``
+method runs if it has one, so range and cross-field checks live next to the fields; a
+``ValueError`` it raises becomes a :class:`ConfigError`, and a message that starts with the class
+name (``GPTConfig.init_std ...``) names the dotted key instead (``model.init_std ...``).
+
+Files and ``key=value`` overrides are read with the YAML 1.2 core schema (:mod:`.yaml12`):
+``010`` is ten, ``1:30`` and ``yes`` are strings, only ``true``/``false`` are booleans.
 
 Supported annotations: ``int``, ``float`` (ints accepted), ``bool`` (only ``true``/``false``),
 ``str``, ``Literal[...]``, ``X | None``, unions, ``tuple[X, ...]``, ``tuple[X, Y]``,
@@ -13,12 +19,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import re
+import reprlib
 import types
 from pathlib import Path
 from typing import Any, Iterable, Literal, Mapping, TypeVar, Union, get_args, get_origin, get_type_hints
 
 import yaml
+
+from . import yaml12
 
 T = TypeVar("T")
 
@@ -27,20 +35,22 @@ class ConfigError(ValueError):
     """A config file or override that does not match the dataclass schema."""
 
 
-class _Loader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that also reads ``3e-4`` / ``1E5`` as floats (YAML 1.1 reads them as strings)."""
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother = 3, 60, 60
+_SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = _SHOW.maxset = 4
+SHOW_LIMIT = 100
 
 
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
+def show(value: Any) -> str:
+    """``repr(value)`` cut to about :data:`SHOW_LIMIT` characters without building the full repr
+    (nested containers stop at depth 3 and 4 items: ``[[[[...], ...], ...], ...]``)."""
+    text = _SHOW.repr(value)
+    return text if len(text) <= SHOW_LIMIT else text[:SHOW_LIMIT - 3] + "..."
 
 
 def yaml_load(text: str) -> Any:
-    """``yaml.safe_load`` with exponent floats such as ``3e-4`` parsed as ``float``."""
-    return yaml.load(text, Loader=_Loader)
+    """Parse YAML ``text`` with the YAML 1.2 core schema (``3e-4`` a float, ``010`` ten, ``yes`` a string)."""
+    return yaml12.load(text)
 
 
 def _join(where: str, key: str) -> str:
@@ -54,7 +64,7 @@ def _type_name(tp: Any) -> str:
 
 
 def _fail(key: str, tp: Any, value: Any) -> ConfigError:
-    return ConfigError(f"{key or '<root>'}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    return ConfigError(f"{key or '<root>'}: expected {_type_name(tp)}, got {show(value)} ({type(value).__name__})")
 
 
 def _convert(tp: Any, value: Any, key: str) -> Any:
@@ -69,7 +79,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if origin is Literal:
         if any(value == a and type(value) is type(a) for a in get_args(tp)):
             return value
-        raise ConfigError(f"{key}: expected one of {list(get_args(tp))}, got {value!r}")
+        raise ConfigError(f"{key}: expected one of {list(get_args(tp))}, got {show(value)}")
     if tp in (bool, int, float, str):
         return _convert_scalar(tp, value, key)
     if origin in (tuple, list):
@@ -119,7 +129,7 @@ def _convert_sequence(tp: Any, value: Any, key: str) -> tuple | list:
         raise _fail(key, tp, value)
     if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
         if len(value) != len(args):
-            raise ConfigError(f"{key}: expected {len(args)} items for {_type_name(tp)}, got {list(value)!r}")
+            raise ConfigError(f"{key}: expected {len(args)} items for {_type_name(tp)}, got {show(list(value))}")
         items = [_convert(a, v, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value))]
     else:
         item_tp = args[0] if args else Any
@@ -139,11 +149,11 @@ def from_dict(cls: type[T], data: dict, *, where: str = "") -> T:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{where or '<root>'}: expected a mapping for {cls.__name__}, "
-                          f"got {data!r} ({type(data).__name__})")
+                          f"got {show(data)} ({type(data).__name__})")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
     if unknown:
-        raise ConfigError(f"unknown key {_join(where, str(unknown[0]))!r} for {cls.__name__}; "
+        raise ConfigError(f"unknown key {show(_join(where, str(unknown[0])))} for {cls.__name__}; "
                           f"valid keys: {sorted(fields)}")
     hints = get_type_hints(cls)
     kwargs = {}
@@ -154,39 +164,73 @@ def from_dict(cls: type[T], data: dict, *, where: str = "") -> T:
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
             raise ConfigError(f"missing required key {key!r} ({_type_name(hints[name])}) for {cls.__name__}")
     obj = cls(**kwargs)
-    validate = getattr(obj, "validate", None)
-    if callable(validate):
-        validate()
+    _validate(obj, where)
     return obj
+
+
+def _validate(obj: Any, where: str) -> None:
+    """Run ``obj.validate()``; its ``ValueError`` becomes a ConfigError under the dotted key."""
+    validate = getattr(obj, "validate", None)
+    if not callable(validate):
+        return
+    try:
+        validate()
+    except ConfigError:
+        raise
+    except ValueError as err:
+        msg, prefix = str(err), type(obj).__name__ + "."
+        if where and msg.startswith(prefix):  # "GPTConfig.init_std must ..." -> "model.init_std must ..."
+            msg = f"{where}.{msg[len(prefix):]}"
+        raise ConfigError(msg) from None
+
+
+def override_value(item: str, raw: str) -> Any:
+    """The value of override ``item`` (whose text after the first ``=`` is ``raw``).
+
+    Quoted strings and flow collections (``'010'``, ``[1, 2]``, ``{a: 1}``) are parsed as YAML, and a
+    ``# comment`` after them is refused; anything else is one plain YAML 1.2 scalar, read whole, so a
+    ``#`` or ``: `` inside it is kept (``name=run #1``). An empty value is an error: write ``null``.
+    """
+    text = raw.strip()
+    if not text:
+        raise ConfigError(f"override {show(item)}: empty value (write null for None, '' for an empty string)")
+    if text[0] not in "'\"[{":
+        return yaml12.plain_scalar(text)
+    try:
+        value = yaml12.load(text)
+        rest = yaml12.trailing_text(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {show(item)}: value {show(raw)} is not valid YAML ({err})") from None
+    if rest:
+        raise ConfigError(f"override {show(item)}: {show(rest)} after the value would be dropped as a YAML "
+                          f"comment; quote the whole value to keep it")
+    return value
 
 
 def parse_overrides(items: Iterable[str]) -> dict:
     """``["train.lr=3e-4", "model.layers=4"]`` -> ``{"train": {"lr": 0.0003}, "model": {"layers": 4}}``.
 
-    Values are parsed as YAML (``null``, ``true``, ``[1, 2]``, ``3e-4`` all work); a later item
-    for the same key wins.
+    Values are YAML 1.2 (``null``, ``true``, ``[1, 2]``, ``3e-4``, ``010`` = 10; see
+    :func:`override_value`); a later item for the same key wins.
     """
     out: dict = {}
     for item in items:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value (e.g. train.lr=3e-4)")
+            raise ConfigError(f"override {show(item)} is not of the form key=value (e.g. train.lr=3e-4)")
         key, raw = item.split("=", 1)
         parts = key.strip().split(".")
         if not all(parts):
-            raise ConfigError(f"override {item!r} has an empty key segment in {key!r}")
-        try:
-            value = yaml_load(raw)
-        except yaml.YAMLError as err:
-            raise ConfigError(f"override {item!r}: value {raw!r} is not valid YAML ({err})") from None
+            raise ConfigError(f"override {show(item)} has an empty key segment in {show(key)}")
+        value = override_value(item, raw)
         node = out
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r} conflicts with earlier value "
-                                  f"{'.'.join(parts[:i + 1])}={child!r}")
+                raise ConfigError(f"override {show(item)} conflicts with earlier value "
+                                  f"{'.'.join(parts[:i + 1])}={show(child)}")
             node = child
         if isinstance(node.get(parts[-1]), dict) and not isinstance(value, dict):
-            raise ConfigError(f"override {item!r} conflicts with earlier overrides under {key.strip()!r}")
+            raise ConfigError(f"override {show(item)} conflicts with earlier overrides under {show(key.strip())}")
         node[parts[-1]] = value
     return out
 
@@ -263,5 +307,5 @@ def to_dict(obj: Any) -> Any:
 
 
 def dump_yaml(obj: Any) -> str:
-    """YAML text of ``to_dict(obj)`` in field order; ``load`` of it rebuilds an equal config."""
-    return yaml.safe_dump(to_dict(obj), sort_keys=False)
+    """YAML 1.2 text of ``to_dict(obj)`` in field order; ``load`` of it rebuilds an equal config."""
+    return yaml12.dump(to_dict(obj))

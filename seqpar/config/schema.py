@@ -1,10 +1,13 @@
 """The run schema: typed sections of a training run, loaded strictly from YAML plus ``key=value`` overrides.
 
 Precedence: command line > file > defaults. Unknown keys and wrong types are errors naming the
-dotted key (see :mod:`seqpar.config.loader`). Nothing here touches ``torch.distributed``.
+dotted key (see :mod:`seqpar.config.loader`); each section's ``validate()`` refuses out-of-range
+values (a NaN learning rate, a zero batch, ...) naming the dotted key and the value, at load time,
+before any data or process work. Nothing here touches ``torch.distributed``.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Literal
@@ -12,6 +15,34 @@ from typing import Iterable, Literal
 from ..model.config import GPTConfig
 from . import loader
 from .shipped import resolve_config
+
+_RULES = {
+    "finite": lambda v: True,
+    ">= 0": lambda v: v >= 0,
+    "> 0": lambda v: v > 0,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+    "in (0, 1)": lambda v: 0 < v < 1,
+}
+
+
+def check_number(key: str, value: float, rule: str = "finite") -> None:
+    """Raise ``ValueError`` naming ``key`` and ``value`` unless ``value`` is finite and obeys ``rule``
+    (one of ``finite``, ``>= 0``, ``> 0``, ``in [0, 1)``, ``in (0, 1)``)."""
+    if not (math.isfinite(value) and _RULES[rule](value)):
+        what = "a finite number" + ("" if rule == "finite" else f" {rule}")
+        raise ValueError(f"{key} must be {what}, got {value!r}")
+
+
+def check_at_least(key: str, value: int | None, low: int) -> None:
+    """Raise ``ValueError`` naming ``key`` and ``value`` if ``value`` (``None`` passes) is below ``low``."""
+    if value is not None and value < low:
+        raise ValueError(f"{key} must be >= {low}, got {value!r}")
+
+
+def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    """Raise ``ValueError`` naming ``key`` and ``value`` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ValueError(f"{key} must be one of {list(allowed)}, got {value!r}")
 
 
 @dataclass
@@ -23,9 +54,9 @@ class ParallelConfig:
     timeout_minutes: float = 10  # a collective waiting longer fails the job instead of hanging it
 
     def validate(self) -> None:
-        if self.tp < 1 or (self.dp is not None and self.dp < 1) or self.pp < 1 or self.virtual_stages < 1:
-            raise ValueError(f"parallel sizes must be >= 1: tp={self.tp}, dp={self.dp}, pp={self.pp}, "
-                             f"virtual_stages={self.virtual_stages}")
+        for name in ("tp", "dp", "pp", "virtual_stages"):
+            check_at_least(f"parallel.{name}", getattr(self, name), 1)
+        check_number("parallel.timeout_minutes", self.timeout_minutes, "> 0")
 
 
 @dataclass
@@ -34,6 +65,10 @@ class DataConfig:
     max_bytes: int = 8_000_000   # cap on the text read for the default corpus
     eval_fraction: float = 0.05  # tail of the token stream held out for eval
     cache_dir: str | None = None # tokenizer + token cache; None = $SEQPAR_CACHE or ~/.cache/seqpar
+
+    def validate(self) -> None:
+        check_at_least("data.max_bytes", self.max_bytes, 1)
+        check_number("data.eval_fraction", self.eval_fraction, "in (0, 1)")
 
 
 @dataclass
@@ -54,13 +89,24 @@ class TrainConfig:
     eval_interval: int = 50      # 0 disables
     eval_batches: int = 4
     threads_per_rank: int = 1    # CPU intra-op threads per rank
+    # a step whose gradients hold NaN/inf: "stop" the run naming the step, or "skip" the optimizer
+    # step (weights untouched) and count it
+    nonfinite_grads: Literal["stop", "skip"] = "stop"
 
     def validate(self) -> None:
-        for name in ("steps", "micro_batch", "log_interval"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= train.min_lr ({self.min_lr}) <= train.lr ({self.lr}) and lr > 0")
+        for name in ("steps", "micro_batch", "global_batch", "log_interval", "eval_batches", "threads_per_rank"):
+            check_at_least(f"train.{name}", getattr(self, name), 1)
+        for name in ("warmup_steps", "eval_interval"):
+            check_at_least(f"train.{name}", getattr(self, name), 0)
+        check_number("train.lr", self.lr, "> 0")
+        check_number("train.min_lr", self.min_lr, ">= 0")
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr ({self.min_lr!r}) must be <= train.lr ({self.lr!r})")
+        for name, rule in (("beta1", "in [0, 1)"), ("beta2", "in [0, 1)"), ("weight_decay", ">= 0"),
+                           ("grad_clip", ">= 0")):
+            check_number(f"train.{name}", getattr(self, name), rule)
+        check_choice("train.autocast", self.autocast, ("auto", "bf16", "none"))
+        check_choice("train.nonfinite_grads", self.nonfinite_grads, ("stop", "skip"))
 
 
 @dataclass
@@ -69,6 +115,11 @@ class CheckpointConfig:
     interval: int = 100          # save every N steps (and at the end); 0 = only at the end
     keep: int = 2                # newest checkpoints kept
     resume: Literal["auto", "never"] = "auto"  # auto: continue from the newest checkpoint in dir
+
+    def validate(self) -> None:
+        check_at_least("checkpoint.interval", self.interval, 0)
+        check_at_least("checkpoint.keep", self.keep, 1)
+        check_choice("checkpoint.resume", self.resume, ("auto", "never"))
 
 
 @dataclass
@@ -81,6 +132,10 @@ class RunConfig:
     out_dir: str = "runs"        # metrics, TensorBoard logs, the resolved config
 
     def validate(self) -> None:
+        """Every section's checks (the loader has run them already; configs built in Python have not),
+        then the cross-section ones."""
+        for section in (self.parallel, self.data, self.train, self.checkpoint):
+            section.validate()
         if self.parallel.pp != 1:
             raise ValueError(f"parallel.pp={self.parallel.pp}: pipeline parallelism is for memory planning only "
                              f"(`seqpar memory`); training needs pp=1")

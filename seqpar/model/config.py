@@ -53,11 +53,15 @@ class GPTConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {v!r}")
         if self.hidden % self.heads:
-            raise ValueError(f"GPTConfig: hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+            raise ValueError(f"GPTConfig.hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         for name in ("dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
                 raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {p}")
+        if not 0 < self.layernorm_eps < float("inf"):  # NaN fails too; 0 divides by zero on a constant row
+            raise ValueError(f"GPTConfig.layernorm_eps must be a finite number > 0, got {self.layernorm_eps!r}")
+        if not 0 <= self.init_std < float("inf"):
+            raise ValueError(f"GPTConfig.init_std must be a finite number >= 0, got {self.init_std!r}")
         choices = {"activation": ("gelu", "gelu_tanh"), "recompute": ("none", "selective", "full"),
                    "recompute_method": ("uniform", "block"), "attention": ("math", "sdpa"), "dtype": tuple(DTYPES)}
         for name, allowed in choices.items():
