@@ -11,6 +11,7 @@ has to declare its layout.
 A split parameter with ``chunks = c`` is ``c`` equal blocks along ``split_dim`` in the dense
 tensor (fused ``[q; k; v]``: 3, fused ``[gate; up]``: 2), each block split over the ranks
 separately: rank ``r`` holds ``[c_0,r; c_1,r; ...]``, so its rows of every block are contiguous.
+Blocks may differ in size (grouped-query ``[q; k; v]``), each divisible by ``t``.
 """
 from __future__ import annotations
 
@@ -30,17 +31,20 @@ class ParamLayout:
     """How one parameter is laid out over the TP group.
 
     ``split_dim``: the dim split into ``t`` pieces (None: every rank holds the whole tensor).
-    ``chunks``: equal blocks along ``split_dim`` split separately (see the module docstring).
+    ``chunks``: blocks along ``split_dim`` split separately (see the module docstring): an int
+    for equal blocks, or a tuple of relative block sizes for unequal ones (grouped-query
+    attention's ``[q; k; v]`` with ``a`` query and ``g`` key/value heads: ``(a, g, g)``).
     ``sp_replicated``: replicated, but each rank's gradient covers only its sequence shard, so
     gradients are summed over TP after backward (LayerNorms, row-parallel biases under SP).
     """
 
     split_dim: int | None = None
-    chunks: int = 1
+    chunks: int | tuple[int, ...] = 1
     sp_replicated: bool = False
 
     def __post_init__(self) -> None:
-        if self.chunks < 1 or (self.chunks > 1 and self.split_dim is None):
+        weights = self.chunk_weights
+        if not weights or min(weights) < 1 or (len(weights) > 1 and self.split_dim is None):
             raise ValueError(f"ParamLayout: chunks={self.chunks} needs chunks >= 1 and a split_dim "
                              f"(split_dim={self.split_dim})")
         if self.sp_replicated and self.split_dim is not None:
@@ -49,6 +53,20 @@ class ParamLayout:
     @property
     def is_split(self) -> bool:
         return self.split_dim is not None
+
+    @property
+    def chunk_weights(self) -> tuple[int, ...]:
+        """Relative sizes of the blocks: ``(1,) * chunks`` for an int."""
+        return (1,) * self.chunks if isinstance(self.chunks, int) else tuple(self.chunks)
+
+    def chunk_sizes(self, dim_size: int, t: int = 1) -> list[int]:
+        """Sizes of the blocks along ``split_dim`` for a dense extent ``dim_size``, each divided by ``t``."""
+        w = self.chunk_weights
+        unit, rem = divmod(dim_size, sum(w) * t)
+        if rem:
+            raise ValueError(f"dim {self.split_dim} of size {dim_size} is not divisible by t={t} x "
+                             f"chunks={self.chunks}")
+        return [unit * k for k in w]
 
 
 REPLICATED = ParamLayout()
@@ -120,10 +138,7 @@ def interleave(x: torch.Tensor, chunks: int, parts: int, dim: int = 0, inverse: 
 def local_shape(full_shape: Iterable[int], layout: ParamLayout, t: int) -> torch.Size:
     shape = list(full_shape)
     if layout.is_split:
-        if shape[layout.split_dim] % (t * layout.chunks):
-            raise ValueError(f"dim {layout.split_dim} of shape {tuple(shape)} is not divisible by "
-                             f"t={t} x chunks={layout.chunks}")
-        shape[layout.split_dim] //= t
+        shape[layout.split_dim] = sum(layout.chunk_sizes(shape[layout.split_dim], t))
     return torch.Size(shape)
 
 
@@ -135,13 +150,16 @@ def dense_shape(local: Iterable[int], layout: ParamLayout, t: int) -> torch.Size
 
 
 def shard(full: torch.Tensor, layout: ParamLayout, rank: int, t: int) -> torch.Tensor:
-    """This rank's part of the dense tensor ``full`` (a view where possible; no communication)."""
+    """This rank's part of the dense tensor ``full`` (a view when it is one contiguous block; no
+    communication): the ``rank``-th ``1/t`` of every chunk, concatenated."""
     if not layout.is_split or t == 1:
         return full
-    local_shape(full.shape, layout, t)  # divisibility check, naming the shape
-    x = interleave(full, layout.chunks, t, layout.split_dim)
-    n = x.shape[layout.split_dim] // t
-    return x.narrow(layout.split_dim, rank * n, n)
+    dim = layout.split_dim
+    sizes = layout.chunk_sizes(full.shape[dim], t)  # also checks divisibility, naming the shape
+    if len(sizes) == 1:
+        return full.narrow(dim, rank * sizes[0], sizes[0])
+    blocks = full.split([n * t for n in sizes], dim)
+    return torch.cat([b.narrow(dim, rank * n, n) for b, n in zip(blocks, sizes)], dim)
 
 
 def unshard(local: torch.Tensor, layout: ParamLayout, group: ProcessGroup | None) -> torch.Tensor:
@@ -151,8 +169,13 @@ def unshard(local: torch.Tensor, layout: ParamLayout, group: ProcessGroup | None
     t = group_size(group)
     if not layout.is_split or t == 1:
         return local.clone()
-    gathered = all_gather_dim(local, group, layout.split_dim)
-    return interleave(gathered, layout.chunks, t, layout.split_dim, inverse=True)
+    dim = layout.split_dim
+    gathered = all_gather_dim(local, group, dim)  # [rank 0's part; rank 1's part; ...]
+    sizes = layout.chunk_sizes(gathered.shape[dim], t)
+    if len(sizes) == 1:
+        return gathered
+    pieces = [part.split(sizes, dim) for part in gathered.chunk(t, dim)]  # [rank][chunk]
+    return torch.cat([pieces[r][c] for c in range(len(sizes)) for r in range(t)], dim)
 
 
 def to_dense(model: nn.Module, local: Mapping[str, torch.Tensor], group: ProcessGroup | None) -> dict[str, torch.Tensor]:

@@ -155,3 +155,26 @@ def test_gpt_keeps_the_callers_config():
     assert (cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers) == ("selective", "uniform", 1)
     assert (model.config.recompute, model.config.recompute_num_layers) == ("full", 2)
     assert model.config is not cfg
+
+
+GQA = ParamLayout(split_dim=0, chunks=(4, 2, 2))  # [q; k; v] with 4 query heads and 2 key/value heads
+
+
+def _unequal_chunks_rank(rank, world):
+    from seqpar.sharding import unshard
+    group = tp_group_of(world)
+    full = torch.arange(16.0 * 3).reshape(16, 3)
+    local = shard(full, GQA, rank, world).clone()
+    return local, unshard(local, GQA, group)
+
+
+def test_unequal_chunks_give_each_rank_its_heads_of_every_block(spawn):
+    rows = torch.arange(16.0).reshape(16, 1)  # q rows 0-7, k rows 8-11, v rows 12-15
+    assert shard(rows, GQA, 0, 2).flatten().tolist() == [0, 1, 2, 3, 8, 9, 12, 13]
+    assert shard(rows, GQA, 1, 2).flatten().tolist() == [4, 5, 6, 7, 10, 11, 14, 15]
+    with pytest.raises(ValueError, match=r"size 12 .*t=4 x chunks=\(4, 2, 2\)"):
+        shard(torch.zeros(12, 1), GQA, 0, 4)
+    full = torch.arange(16.0 * 3).reshape(16, 3)
+    for r, (local, dense) in enumerate(spawn(_unequal_chunks_rank, 2)):
+        assert torch.equal(local, shard(full, GQA, r, 2))
+        assert torch.equal(dense, full)
