@@ -1,10 +1,11 @@
 """SP-replicated parameters (norms, row bias) end bit-identical on all TP ranks after grad_sync."""
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distributed_harness import rel_err
+from distributed_harness import rel_err, run_ranks
 from seqpar.distributed import install_sp_grad_hooks, mark_sp_replicated, sp_replicated_parameters, sync_sp_replicated_grads
 from seqpar.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -54,14 +55,39 @@ def _dense_grads(micro_batches=1):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _double_sum_refused(group):
+    """sync after hooks (or hooks twice) raises before summing; without the hooks sync runs again."""
+    torch.manual_seed(0)
+    model = Block(group, sp=True)
+    handles = install_sp_grad_hooks(model, group)
+    model(torch.randn(S // 2, B, H, dtype=torch.float64)).sum().backward()
+    before = model.norm.weight.grad.clone()
+    errors = []
+    for call in (lambda: sync_sp_replicated_grads(model, group), lambda: install_sp_grad_hooks(model, group)):
+        try:
+            call()
+        except ValueError as e:
+            errors.append(str(e))
+    unchanged = torch.equal(model.norm.weight.grad, before)
+    for h in handles:
+        h.remove()
+    return errors, unchanged, sync_sp_replicated_grads(model, group)
+
+
 def _grad_sync(rank, world):
     group = dist.group.WORLD
     return {"none": _run(group, "none"), "sync": _run(group, "sync"), "hooks": _run(group, "hooks"),
-            "hooks_accum": _run(group, "hooks", micro_batches=2), "sync_accum": _run(group, "sync", 2)}
+            "hooks_accum": _run(group, "hooks", micro_batches=2), "sync_accum": _run(group, "sync", 2),
+            "double": _double_sum_refused(group)}
 
 
-def test_replicated_grads_bit_identical_after_sync(spawn):
-    res = spawn(_grad_sync, 2)
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    return run_ranks(_grad_sync, 2, tmp_path_factory.mktemp("grad_sync"))
+
+
+def test_replicated_grads_bit_identical_after_sync(ranks):
+    res = ranks
     dense, dense2 = _dense_grads(), _dense_grads(2)
     # without the sync the norm's grads are partial and differ between ranks: the bug class it fixes
     assert not torch.equal(res[0]["none"]["norm.weight"], res[1]["none"]["norm.weight"])
@@ -69,6 +95,19 @@ def test_replicated_grads_bit_identical_after_sync(spawn):
         for name in ("norm.weight", "norm.bias", "fc2.bias"):
             assert torch.equal(res[0][mode][name], res[1][mode][name]), f"{mode}: {name} differs across TP ranks"
             assert rel_err(res[0][mode][name], ref[name]) < 1e-12, f"{mode}: {name} differs from the dense grad"
+
+
+def test_sync_after_hooks_refuses_to_sum_twice(ranks):
+    """Hooks then an explicit sync would double the norm gradients: both orders of doubling raise,
+    name the parameters and the other function, and change nothing; removing the hooks allows sync."""
+    for errors, unchanged, synced_after_removal in (r["double"] for r in ranks):
+        assert len(errors) == 2, errors
+        sync_err, hooks_err = errors
+        assert sync_err.startswith("sync_sp_replicated_grads:") and "install_sp_grad_hooks" in sync_err
+        assert "norm.weight" in sync_err and "fc2.bias" in sync_err and "parallelize" in sync_err
+        assert hooks_err.startswith("install_sp_grad_hooks:")
+        assert unchanged
+        assert synced_after_removal == 3  # norm.weight, norm.bias, fc2.bias
 
 
 def test_tagging_only_under_sequence_parallelism():

@@ -7,22 +7,64 @@ be summed over the TP group after backward, or the replicas silently drift apart
 
 Which parameters are SP-replicated is declared by their layers (:mod:`seqpar.sharding`:
 ``param_layouts()``, or :func:`mark_sp_replicated` for other modules such as norms); layers
-declare it only when sequence parallelism is on. Use exactly one of :func:`sync_sp_replicated_grads`
-(explicit, after backward) or :func:`install_sp_grad_hooks` (inside backward).
+declare it only when sequence parallelism is on. Use exactly one of the two ways to sum them:
+
+* :func:`install_sp_grad_hooks` (inside backward, once per model): what ``seqpar.parallelize``
+  does, so a parallelized model needs no call in the training loop;
+* :func:`sync_sp_replicated_grads` (explicit, after backward and before clipping): for models
+  built from seqpar's layers by hand, and seqpar's own ``GPT`` / Trainer.
+
+Each hooked parameter is recorded on its module, so calling :func:`sync_sp_replicated_grads`
+on a model whose gradients the hooks already sum (or installing the hooks twice) raises instead
+of summing twice.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from ..sharding import mark_sp_replicated, sp_replicated_parameters
+from ..sharding import mark_sp_replicated, module_layouts, sp_replicated_parameters
 from .collectives import ProcessGroup, all_reduce, group_size
+
+HOOKED = "_seqpar_sp_grad_hooked"  # on a module: {own parameter name: id(parameter)} of those with a TP-sum hook
+
+
+def _sp_replicated_own(model: nn.Module) -> list[tuple[str, nn.Module, str, nn.Parameter]]:
+    """(qualified name, module, own name, parameter) of every SP-replicated parameter, each once."""
+    out, seen = [], set()
+    for mname, module in model.named_modules():
+        layouts = module_layouts(module)
+        for pname, p in module.named_parameters(recurse=False):
+            if layouts[pname].sp_replicated and id(p) not in seen:
+                seen.add(id(p))
+                out.append((f"{mname}.{pname}" if mname else pname, module, pname, p))
+    return out
+
+
+def hooked_parameters(model: nn.Module) -> list[str]:
+    """Names of ``model``'s parameters whose gradients a hook from :func:`install_sp_grad_hooks`
+    sums over TP inside backward (empty when none is installed)."""
+    # matched by identity: a deep copy of the model gets fresh parameters and none of their hooks
+    return [n for n, module, own, p in _sp_replicated_own(model) if module.__dict__.get(HOOKED, {}).get(own) == id(p)]
+
+
+def _refuse_double_sum(model: nn.Module, what: str) -> None:
+    hooked = hooked_parameters(model)
+    if hooked:
+        shown = ", ".join(hooked[:4]) + (f" and {len(hooked) - 4} more" if len(hooked) > 4 else "")
+        raise ValueError(
+            f"{what}: the gradients of {shown} are already summed over TP inside backward by hooks from "
+            f"install_sp_grad_hooks (seqpar.parallelize installs them); summing again would double them. "
+            f"Use one of the two: drop this call (a parallelized model needs none), or remove the hooks "
+            f"(.remove() the handles install_sp_grad_hooks returned) and sync explicitly")
 
 
 def sync_sp_replicated_grads(model: nn.Module, tp_group: ProcessGroup | None) -> int:
     """All-reduce (sum) the gradients of SP-replicated parameters over TP, coalesced into one
     flat buffer. Call after backward, before clipping and the optimizer step, on every rank.
-    Returns the number of parameters reduced."""
+    Returns the number of parameters reduced. Raises ``ValueError`` when hooks from
+    :func:`install_sp_grad_hooks` already sum them (a model from ``seqpar.parallelize``)."""
+    _refuse_double_sum(model, "sync_sp_replicated_grads")
     if group_size(tp_group) == 1:
         return 0
     params = [p for p in sp_replicated_parameters(model) if p.grad is not None]
@@ -42,18 +84,38 @@ def sync_sp_replicated_grads(model: nn.Module, tp_group: ProcessGroup | None) ->
     return len(params)
 
 
-def install_sp_grad_hooks(model: nn.Module, tp_group: ProcessGroup | None) -> list:
+class GradHookHandle:
+    """One parameter's TP-sum hook; :meth:`remove` takes it off and forgets it on its module."""
+
+    def __init__(self, handle, module: nn.Module, name: str) -> None:
+        self.handle, self.module, self.name = handle, module, name
+
+    def remove(self) -> None:
+        self.handle.remove()
+        self.module.__dict__.get(HOOKED, {}).pop(self.name, None)
+
+
+def install_sp_grad_hooks(model: nn.Module, tp_group: ProcessGroup | None) -> list[GradHookHandle]:
     """Drop-in variant: all-reduce each SP-replicated parameter's incoming gradient over TP
     inside backward (a tensor hook, before accumulation into ``.grad``), so no explicit call is
     needed and gradient accumulation over micro-batches stays correct. Returns the hook handles
-    (``.remove()`` them to uninstall). Do not combine with :func:`sync_sp_replicated_grads`,
-    which would reduce twice."""
+    (``.remove()`` them to uninstall). Installing twice on the same parameters raises, and so
+    does :func:`sync_sp_replicated_grads` while the hooks are installed."""
     if group_size(tp_group) == 1:
         return []
+    _refuse_double_sum(model, "install_sp_grad_hooks")
 
     def hook(grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous().clone()
         all_reduce(grad, tp_group)
         return grad
 
-    return [p.register_hook(hook) for p in sp_replicated_parameters(model)]
+    handles = []
+    for _, module, own, p in _sp_replicated_own(model):
+        module.__dict__.setdefault(HOOKED, {})[own] = id(p)  # a plain attribute, like the layout marks
+        handles.append(GradHookHandle(p.register_hook(hook), module, own))
+    return handles
+
+
+__all__ = ["mark_sp_replicated", "sp_replicated_parameters", "sync_sp_replicated_grads", "install_sp_grad_hooks",
+           "hooked_parameters", "GradHookHandle"]
