@@ -1,8 +1,10 @@
 """The paper's communication operators as autograd functions (Korthikanti et al. §4.2).
 
-Tensors are sequence-first ``[s, b, h]`` by default, so a sequence shard is the contiguous
-dim-0 slice ``[s/t, b, h]`` and every gather / reduce-scatter along the sequence is
-zero-copy. ``seq_dim`` lets batch-first callers (``[b, s, h]``) use dim 1 instead.
+Tensors are sequence-first ``[s, b, h]`` by default (``seq_dim=0``, seqpar's convention and its
+layers' default), so a sequence shard is the contiguous dim-0 slice ``[s/t, b, h]`` and every
+gather / reduce-scatter along the sequence is zero-copy. Batch-first callers (``[b, s, h]``, e.g.
+Hugging Face models) pass ``seq_dim=1``: with the default the batch would be split instead, which
+gives the right numbers but none of the memory saving. Errors name ``seq_dim`` and the shape.
 
 A one-rank group (or ``group=None``) makes every operator the identity. A dimension that
 is not divisible by the group size raises ``ValueError`` before any collective is issued.
@@ -29,7 +31,6 @@ from .collectives import (
     ProcessGroup,
     all_gather_dim,
     all_reduce,
-    check_divisible,
     chunk_of,
     group_size,
     reduce_scatter_dim,
@@ -140,9 +141,19 @@ class _SplitToTP(torch.autograd.Function):
 
 
 def _check_dim(x: torch.Tensor, dim: int, t: int, op: str) -> None:
+    """Raise ``ValueError`` before any collective unless ``x`` has sequence dim ``dim`` divisible by ``t``."""
+    layouts = "seq_dim is 0 for sequence-first [s, b, h] tensors, 1 for batch-first [b, s, h]"
     if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"{op}: dim {dim} is out of range for a tensor of shape {tuple(x.shape)}")
-    check_divisible(x.shape[dim], t, f"{op}: dim {dim} of shape {tuple(x.shape)}")
+        raise ValueError(f"{op}: seq_dim={dim} is out of range for a tensor of shape {tuple(x.shape)} ({layouts})")
+    if x.shape[dim] % t:
+        raise ValueError(f"{op}: the sequence dim (seq_dim={dim}) of shape {tuple(x.shape)} has size {x.shape[dim]}, "
+                         f"not divisible by the tensor-parallel size t={t} ({layouts})")
+
+
+def _check_features(x: torch.Tensor, t: int, op: str) -> None:
+    if x.dim() == 0 or x.shape[-1] % t:
+        raise ValueError(f"{op}: the last (feature) dim of shape {tuple(x.shape)} is not divisible by the "
+                         f"tensor-parallel size t={t}")
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -211,7 +222,7 @@ def split_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     t = group_size(group)
     if t == 1:
         return x
-    _check_dim(x, -1, t, "split_to_tp")
+    _check_features(x, t, "split_to_tp")
     return _SplitToTP.apply(x, group)
 
 
