@@ -403,3 +403,26 @@ def test_only_the_first_rank_takes_the_lock(tmp_path):
         ck.open_checkpoint_dir(root, False).close()  # not rank 0: neither takes nor checks the lock
     finally:
         held.close()
+
+
+def test_the_trainer_holds_its_checkpoint_dir_until_closed(tmp_path):
+    import numpy as np
+
+    from seqpar.config import load_run_config
+    from seqpar.distributed.mesh import ParallelMesh
+    from seqpar.train import Trainer
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 64, size=3000).astype(np.uint16))
+    root = tmp_path / "ckpt"
+    overrides = [f"{k}={v}" for k, v in {
+        "model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 2, "model.layers": 1,
+        "train.steps": 2, "train.micro_batch": 2, "train.global_batch": 2, "train.eval_interval": 0,
+        "data.source": tmp_path / "tokens.npy", "checkpoint.dir": root, "out_dir": tmp_path / "out"}.items()]
+    (root / "step_00000002.tmp").mkdir(parents=True)  # a save that crashed in an earlier job
+    trainer = Trainer(load_run_config(None, overrides), mesh=ParallelMesh.single())
+    try:
+        assert not (root / "step_00000002.tmp").exists()
+        with pytest.raises(RuntimeError, match=rf"in use by another job \(host .*, pid {os.getpid()},"):
+            Trainer(load_run_config(None, overrides), mesh=ParallelMesh.single())
+    finally:
+        trainer.close()
+    ck.open_checkpoint_dir(root, True).close()

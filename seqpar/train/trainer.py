@@ -34,7 +34,7 @@ from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh, init_parallel, validate_layout
 from ..memory.ledger import ActivationLedger
 from ..model import GPT
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, open_checkpoint_dir, save_checkpoint
 from .data import Corpus, TokenBatches, eval_batches, open_corpus, prepare_corpus
 from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
@@ -85,7 +85,9 @@ class Trainer:
         self.cfg, self.tc, self.mc = cfg, cfg.train, cfg.model
         self.mesh = self._setup_mesh(mesh)
         self.logger = MetricsLogger(cfg.out_dir, self.mesh.is_first, self.tc.steps)
+        self._ckpt_dir = None  # the job's lock on checkpoint.dir (rank 0), held until close()
         try:
+            self._ckpt_dir = open_checkpoint_dir(cfg.checkpoint.dir, self.mesh.is_first)
             self._announce()
             self._setup_data()
             self._setup_model()
@@ -93,6 +95,8 @@ class Trainer:
             self.throughput = self._throughput()
         except BaseException:
             self.logger.close()
+            if self._ckpt_dir is not None:
+                self._ckpt_dir.close()
             raise
         self.history: dict = {"steps": [], "losses": [], "eval": [], "checkpoint": None}
         self.start_step = 0  # first step this process runs (> 0 after a resume)
@@ -366,11 +370,12 @@ class Trainer:
         return self.history
 
     def close(self) -> None:
-        """Restore the SIGTERM handler and close the metrics files."""
+        """Restore the SIGTERM handler, close the metrics files, release the checkpoint dir."""
         if self._stop is not None:
             self._stop.restore()
             self._stop = None
         self.logger.close()
+        self._ckpt_dir.close()
 
 
 def train(cfg: RunConfig, *, mesh: ParallelMesh | None = None) -> dict:
