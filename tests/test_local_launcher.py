@@ -80,3 +80,18 @@ def test_bad_arguments_fail_before_any_process_starts():
         run_local(lambda rank, world: rank, 2)
     with pytest.raises(ValueError, match="world_size >= 1 and threads >= 1, got 0 and 1"):
         run_local(_report, 0, "x")
+
+
+def test_a_rank_that_cannot_start_reports_the_start_error(tmp_path):
+    """Starting from a main module without the __main__ guard fails in multiprocessing itself;
+    that error, not a secondary one from stopping never-started ranks, reaches the caller."""
+    import subprocess
+    import sys
+    script = tmp_path / "unguarded.py"
+    script.write_text("from seqpar.distributed.local import run_local\n"
+                      "def fn(rank, world):\n    return rank\n"
+                      "print(run_local(fn, 2, timeout=60))\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "can only join a started process" not in out.stderr
+    assert "bootstrapping phase" in out.stderr

@@ -90,7 +90,8 @@ def _gpus_hidden() -> Iterator[None]:
 
 
 def _stop(procs: list) -> None:
-    """Terminate every live rank, then kill any that ignores it."""
+    """Terminate every live rank, then kill any that ignores it (ranks that never started are skipped)."""
+    procs = [p for p in procs if p.pid is not None]
     for p in procs:
         if p.is_alive():
             p.terminate()
