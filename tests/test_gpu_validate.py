@@ -1,0 +1,68 @@
+"""scripts/gpu_validate.py: its CPU smoke mode passes every check it can run, and its reference
+model is independent of seqpar (a perturbed dense weight makes the correctness check fail)."""
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_validate.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("gpu_validate", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*args: str) -> dict[str, str]:
+    """Run the script; return its table as {check: result}, after asserting it exited 0."""
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", *args], capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + "\n" + proc.stderr[-4000:]
+    cells = [line.strip("|").split(" | ") for line in proc.stdout.splitlines() if line.startswith("| ")]
+    return {c[0].strip(): c[-1].strip() for c in cells[1:] if len(c) == 4}
+
+
+def _results(table: dict[str, str], prefix: str) -> list[str]:
+    return [result for check, result in table.items() if check.startswith(prefix)]
+
+
+def test_cpu_smoke_run_lists_every_check_with_pass():
+    table = _run()
+    asserted = [f"correctness t=1 {dtype} {attention}: {what}" for dtype, what in
+                (("float32", "loss rel err"), ("float32", "grad max rel err"), ("bfloat16", "loss rel err"),
+                 ("bfloat16", "min grad cosine")) for attention in ("math", "sdpa")]
+    asserted += ["rng: dropout active", "rng: none repeated", "rng: selective vs none", "rng: full vs none"]
+    asserted += [f"memory {mode}: ledger per layer" for mode in ("none", "selective", "full")]
+    asserted += ["throughput activation bytes (ledger) none > selective > full",
+                 "launcher (gloo): 10 steps", "launcher (gloo): resume to 12 steps"]
+    for prefix in asserted:
+        assert _results(table, prefix) == ["PASS"], (prefix, table)
+    # what only a GPU measures is listed, and said to be skipped or shown unasserted
+    for mode in ("none", "selective", "full"):
+        assert _results(table, f"memory {mode}: memory_allocated") == ["SKIP"], table
+        assert table[f"throughput {mode}"] == "INFO", table
+    assert _results(table, "throughput selective / none (tiny CPU run") == ["INFO"], table
+    assert "FAIL" not in table.values()
+
+
+def test_tp_check_runs_on_two_gloo_ranks():
+    table = _run("--tp", "2", "--checks", "tp")
+    assert len(table) == 8 and set(table.values()) == {"PASS"}, table
+    assert all(check.startswith("correctness t=2 SP") for check in table), table
+
+
+def test_reference_is_independent_a_perturbed_weight_fails():
+    gv = _script()
+    shapes = gv.Shapes.for_device("cpu")
+
+    def perturb(dense):
+        dense["blocks.0.attn.qkv.weight"][0, 0] += 0.1  # one entry of one query row
+
+    rows = gv.check_correctness("cpu", shapes, perturb=perturb)
+    fp32 = {r.check: r.result for r in rows if "float32" in r.check}
+    assert fp32 and all(result == "FAIL" for check, result in fp32.items() if "grad" in check), fp32
+    # the same call without the perturbation passes: the failure is the perturbation's
+    assert {r.result for r in gv.check_correctness("cpu", shapes)} == {"PASS"}
