@@ -339,7 +339,7 @@ def time_mode(model: GPT, opt, tokens: torch.Tensor, mode: str, shapes: Shapes) 
         with ActivationLedger(model) as ledger:
             model(tokens, tokens)
         peak = ledger.total()
-    return {"step_s": statistics.median(times), "peak": peak, "loss": float(loss)}
+    return {"step_s": statistics.median(times), "peak": peak, "loss": float(loss.detach())}
 
 
 def throughput_rows(res: dict[str, dict], cfg: GPTConfig, b: int, device: str) -> list[Row]:
@@ -351,7 +351,7 @@ def throughput_rows(res: dict[str, dict], cfg: GPTConfig, b: int, device: str) -
     rows = []
     for mode, r in res.items():
         mfu = f"MFU {mf / r['step_s'] / peak_flops:.1%}" if peak_flops else "MFU n/a (unknown peak)"
-        rows.append(Row(f"throughput {mode}", f"{r['step_s'] * 1e3:.1f} ms/step, {mf / r['step_s'] / 1e12:.2f} "
+        rows.append(Row(f"throughput {mode}", f"{r['step_s'] * 1e3:.1f} ms/step, {mf / r['step_s'] / 1e12:.3g} "
                         f"TFLOP/s, {mfu}, {mem} {fmt_bytes(r['peak'])}", "-", "INFO"))
     note = "" if on_gpu else " (tiny CPU run: shown, asserted on CUDA only)"
     sel, full = (res[m]["step_s"] / res["none"]["step_s"] for m in ("selective", "full"))
@@ -408,13 +408,13 @@ def show_failure(what: str, proc: subprocess.CompletedProcess) -> None:
 
 
 def launcher_overrides(tmp: Path) -> list[str]:
-    """Overrides of ``tiny-cpu`` for check 5: one rank, dropout, eval and checkpoints every 5 steps,
-    a local token file (no tokenizer training, nothing downloaded), everything under ``tmp``."""
+    """Overrides of ``tiny-cpu`` for check 5: one rank, small batches, dropout, eval and checkpoints
+    every 5 steps, a local token file (no tokenizer training, nothing downloaded), all under ``tmp``."""
     import numpy as np
     if not (tmp / "tokens.npy").exists():
         np.save(tmp / "tokens.npy", np.random.default_rng(0).integers(0, 2048, size=200_000).astype(np.uint16))
-    ov = ["parallel.tp=1", "model.dropout=0.1", "model.attention_dropout=0.1", "train.log_interval=5",
-          "train.eval_interval=5", "train.eval_batches=2", "checkpoint.interval=5",
+    ov = ["parallel.tp=1", "train.micro_batch=2", "model.dropout=0.1", "model.attention_dropout=0.1",
+          "train.log_interval=5", "train.eval_interval=5", "train.eval_batches=2", "checkpoint.interval=5",
           f"checkpoint.dir={tmp / 'ckpt'}", f"out_dir={tmp / 'out'}", f"data.source={tmp / 'tokens.npy'}"]
     if "precision" in {f.name for f in dataclasses.fields(TrainConfig)}:
         ov.append("train.precision=bf16")  # the paper's recipe
