@@ -9,6 +9,7 @@ COMMANDS = {
     "generate": ("seqpar.train.generate", "print a sample from a checkpoint"),
     "memory": ("seqpar.memory.report", "activation memory per technique: paper formulas and measured bytes"),
     "bench": ("seqpar.bench.cli", "seqpar vs Megatron-LM core vs PyTorch DTensor, measured side by side"),
+    "plan": ("seqpar.plan.cli", "choose layout and recompute for a model on a cluster, predicted step time"),
 }
 
 

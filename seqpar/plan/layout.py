@@ -1,0 +1,164 @@
+"""A layout: how one model is laid out on a cluster (t, p, m, dp, micro-batch, SP, recompute).
+
+Recompute is either uniform (``none``, ``selective`` or ``full`` with its method and N, as
+``model.recompute`` takes it) or ``mixed``: a count of layers per mode for every pipeline stage
+(the same on each stage; see :mod:`seqpar.plan.recompute`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from ..model.config import GPTConfig
+
+Mode = Literal["none", "selective", "full"]
+MODES: tuple[Mode, ...] = ("none", "selective", "full")
+DataParallel = Literal["ddp", "fsdp"]
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """What each layer recomputes. ``counts`` (mixed only): layers per mode on every stage."""
+
+    kind: Literal["none", "selective", "full", "mixed"] = "selective"
+    method: Literal["uniform", "block"] = "uniform"  # full only
+    num_layers: int = 1                               # full only: N
+    counts: tuple[tuple[Mode, int], ...] = ()         # mixed only, e.g. (("none", 29), ("selective", 19))
+
+    def per_stage(self, chunk: int, chunks: int = 1) -> dict[Mode, int]:
+        """Layers of each mode on a stage of ``chunks`` model chunks of ``chunk`` layers each
+        (``full`` block N: the first N layers of every chunk are full, the rest keep everything)."""
+        n = chunk * chunks
+        if self.kind == "mixed":
+            out = {m: 0 for m in MODES}
+            out.update(dict(self.counts))
+            if sum(out.values()) != n:
+                raise ValueError(f"mixed recompute counts {dict(self.counts)} do not add up to {n} layers per stage")
+            return out
+        if self.kind == "full" and self.method == "block":
+            k = min(self.num_layers, chunk)
+            return {"none": (chunk - k) * chunks, "selective": 0, "full": k * chunks}
+        return {m: (n if m == self.kind else 0) for m in MODES}
+
+    def label(self) -> str:
+        if self.kind == "mixed":
+            return "mix(" + ",".join(f"{m[:4]}={k}" for m, k in self.counts if k) + ")"
+        if self.kind == "full":
+            return f"full/{self.method}/{self.num_layers}"
+        return self.kind
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One point of the search: sizes of the parallel dimensions and the per-layer settings."""
+
+    tp: int
+    pp: int
+    dp: int
+    virtual_stages: int = 1      # m, interleaved chunks per stage
+    micro_batch: int = 1
+    sequence_parallel: bool = True
+    recompute: Recompute = Recompute()
+    data_parallel: DataParallel = "ddp"
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def label(self) -> str:
+        dp = f"dp={self.dp}" + ("(fsdp)" if self.data_parallel == "fsdp" and self.dp > 1 else "")
+        return (f"t={self.tp} p={self.pp} m={self.virtual_stages} {dp} b={self.micro_batch} "
+                f"sp={'on' if self.sequence_parallel else 'off'} rc={self.recompute.label()}")
+
+
+def micro_batches(layout: Layout, global_batch: int) -> int:
+    """Micro-batches each pipeline runs per step, ``global_batch / (dp * micro_batch)``."""
+    per = layout.dp * layout.micro_batch
+    if global_batch % per:
+        raise ValueError(f"global batch {global_batch} is not a multiple of dp x micro_batch = "
+                         f"{layout.dp} x {layout.micro_batch} = {per}")
+    return global_batch // per
+
+
+def check_layout(layout: Layout, model: GPTConfig, gpus: int, global_batch: int, gpus_per_node: int) -> None:
+    """Raise ``ValueError`` naming the offending values if ``layout`` cannot run ``model``."""
+    problems = []
+    if layout.gpus != gpus:
+        problems.append(f"tp x pp x dp = {layout.tp} x {layout.pp} x {layout.dp} = {layout.gpus} != --gpus {gpus}")
+    if layout.tp > gpus_per_node or gpus_per_node % layout.tp:
+        problems.append(f"tp={layout.tp} must divide --gpus-per-node {gpus_per_node} (TP stays inside a node)")
+    chunks = layout.pp * layout.virtual_stages
+    if model.layers % chunks:
+        problems.append(f"layers {model.layers} not divisible by pp x virtual_stages = {chunks}")
+    if layout.virtual_stages > 1 and layout.pp == 1:
+        problems.append(f"virtual_stages={layout.virtual_stages} needs pp > 1")
+    if layout.sequence_parallel and layout.tp == 1:
+        problems.append("sequence_parallel needs tp > 1")
+    if layout.data_parallel == "fsdp" and layout.dp == 1:
+        problems.append("data_parallel=fsdp needs dp > 1")
+    try:
+        n = micro_batches(layout, global_batch)
+        if layout.virtual_stages > 1 and n % layout.pp:
+            problems.append(f"the interleaved schedule needs micro-batches per step ({n}) divisible by pp={layout.pp}")
+    except ValueError as err:
+        problems.append(str(err))
+    try:
+        replace(model, sequence_parallel=layout.sequence_parallel).check_parallel(layout.tp)
+    except ValueError as err:
+        problems.append(str(err))
+    if layout.recompute.kind == "full" and layout.recompute.num_layers > model.layers // chunks:
+        problems.append(f"recompute_num_layers={layout.recompute.num_layers} exceeds the "
+                        f"{model.layers // chunks} layers of a model chunk")
+    if problems:
+        raise ValueError(f"layout {layout.label()}: " + "; ".join(problems))
+
+
+_KEYS = {"tp": int, "pp": int, "dp": int, "virtual_stages": int, "micro_batch": int, "sequence_parallel": bool,
+         "recompute": str, "recompute_method": str, "recompute_num_layers": int, "data_parallel": str}
+
+
+def _value(key: str, raw: str):
+    kind = _KEYS[key]
+    if kind is bool:
+        if raw.lower() not in ("true", "false"):
+            raise ValueError(f"--layout {key}={raw!r}: expected true or false")
+        return raw.lower() == "true"
+    if kind is int:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ValueError(f"--layout {key}={raw!r}: expected a positive integer") from None
+        if value < 1:
+            raise ValueError(f"--layout {key}={raw!r}: expected a positive integer")
+        return value
+    return raw
+
+
+def parse_layout(text: str, gpus: int) -> Layout:
+    """``tp=8,pp=8,virtual_stages=3,micro_batch=1,sequence_parallel=true,recompute=selective`` -> Layout.
+
+    ``dp`` defaults to ``gpus / (tp * pp)``; recompute is ``none|selective|full``, with
+    ``recompute_method`` and ``recompute_num_layers`` for full; ``data_parallel`` is ``ddp|fsdp``.
+    """
+    values: dict = {}
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, raw = item.partition("=")
+        if not sep or key not in _KEYS:
+            raise ValueError(f"--layout item {item!r}: expected key=value with key one of {sorted(_KEYS)}")
+        values[key] = _value(key, raw.strip())
+    tp, pp = values.get("tp", 1), values.get("pp", 1)
+    if gpus % (tp * pp):
+        raise ValueError(f"--layout tp={tp} pp={pp}: tp x pp = {tp * pp} does not divide --gpus {gpus}")
+    kind = values.get("recompute", "selective")
+    if kind not in MODES:
+        raise ValueError(f"--layout recompute={kind!r}: expected one of {list(MODES)}")
+    method = values.get("recompute_method", "uniform")
+    if method not in ("uniform", "block"):
+        raise ValueError(f"--layout recompute_method={method!r}: expected uniform or block")
+    dpm = values.get("data_parallel", "ddp")
+    if dpm not in ("ddp", "fsdp"):
+        raise ValueError(f"--layout data_parallel={dpm!r}: expected ddp or fsdp")
+    return Layout(tp=tp, pp=pp, dp=values.get("dp", gpus // (tp * pp)),
+                  virtual_stages=values.get("virtual_stages", 1), micro_batch=values.get("micro_batch", 1),
+                  sequence_parallel=values.get("sequence_parallel", tp > 1),
+                  recompute=Recompute(kind, method, values.get("recompute_num_layers", 1)), data_parallel=dpm)

@@ -1,0 +1,117 @@
+"""Per-layer recompute under a memory budget: the fewest recomputed FLOPs that fit.
+
+Every layer of a stage costs the same and stores the same, and §4.2.3's in-flight factor applies
+to the stage as a whole, so a per-layer choice among none / selective / full is decided by how
+many layers of a stage take each mode. The search is exact: for each count of full layers
+``k`` (0 .. n) the fewest selective layers that fit is found by bisection (the stage's bytes fall
+as layers move from none to selective), and the cheapest pair wins; it stops once ``k`` full
+layers alone cost more than the best found. Bytes come from :func:`seqpar.plan.memory.memory_per_gpu`,
+the planner's own memory model, so the plan and the search agree by construction.
+
+FLOPs recomputed per layer and micro-batch: selective, the attention core 4bs^2h; full, the whole
+forward 24bsh^2 + 4bs^2h (Appendix A; :func:`seqpar.plan.dims.layer_forward_flops` for other shapes).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+from ..memory.formulas import load_sections
+from ..model.config import GPTConfig
+from . import dims
+from .gpus import GIB
+from .layout import Layout, Mode, Recompute
+from .memory import memory_per_gpu
+
+
+def recompute_flops(model: GPTConfig, micro_batch: int) -> dict[Mode, float]:
+    """Forward FLOPs one layer repeats in backward for ``micro_batch`` sequences, per mode."""
+    dense, core = dims.layer_forward_flops(model, micro_batch)
+    return {"none": 0.0, "selective": core, "full": dense + core}
+
+
+def _mixed(none: int, selective: int, full: int) -> Recompute:
+    return Recompute("mixed", counts=(("none", none), ("selective", selective), ("full", full)))
+
+
+def _fewest_selective(fits, n_free: int) -> int | None:
+    """Smallest s in [0, n_free] with fits(s), given fits is monotone in s; None if even n_free fails."""
+    if not fits(n_free):
+        return None
+    lo, hi = -1, n_free  # fits(hi) holds
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+def best_mix(model: GPTConfig, layout: Layout, budget: float, global_batch: int,
+             precision: str = "bf16") -> Recompute | None:
+    """The per-stage mix of none / selective / full with the fewest recomputed FLOPs whose bytes per
+    GPU fit ``budget``; ``None`` when even every layer under full recompute does not fit."""
+    n = model.layers // layout.pp
+    cost = recompute_flops(model, layout.micro_batch)
+
+    def total(none: int, sel: int, full: int) -> float:
+        return memory_per_gpu(model, replace(layout, recompute=_mixed(none, sel, full)), budget, global_batch,
+                              precision).total
+
+    best: tuple[float, float, Recompute] | None = None
+    for full in range(n + 1):
+        if best is not None and full * cost["full"] > best[0]:
+            break
+        sel = _fewest_selective(lambda s: total(n - full - s, s, full) <= budget, n - full)
+        if sel is None:
+            continue
+        key = (sel * cost["selective"] + full * cost["full"], total(n - full - sel, sel, full))
+        if best is None or key < best[:2]:
+            best = (*key, _mixed(n - full - sel, sel, full))
+    return None if best is None else best[2]
+
+
+def stage_layer_ids(layers: int, pp: int, virtual_stages: int, stage: int) -> list[int]:
+    """The model layers stage ``stage`` holds, chunk by chunk (chunk j of stage r holds block j*pp + r)."""
+    per = layers // (pp * virtual_stages)
+    return [i for j in range(virtual_stages) for i in range((j * pp + stage) * per, (j * pp + stage + 1) * per)]
+
+
+def layer_modes(recompute: Recompute, layers: int, pp: int = 1, virtual_stages: int = 1) -> list[Mode]:
+    """The per-layer list (length ``layers``) of a mix: on every stage, in the order the stage holds
+    its layers, the full ones first, then selective, then none (earlier chunks stay in flight longer)."""
+    chunk = layers // (pp * virtual_stages)
+    counts = recompute.per_stage(chunk, virtual_stages)
+    order = [m for m in ("full", "selective", "none") for _ in range(counts[m])]
+    out: list[Mode] = ["none"] * layers
+    for stage in range(pp):
+        for mode, layer in zip(order, stage_layer_ids(layers, pp, virtual_stages, stage)):
+            out[layer] = mode
+    return out
+
+
+def recompute_layers(config: str | Path, budget_gib: float, *, precision: str = "bf16",
+                     global_batch: int | None = None) -> list[Mode]:
+    """``model.recompute: auto``: the per-layer modes for a run config under ``budget_gib`` per GPU.
+
+    The layout is the config's (``parallel.tp/pp/virtual_stages/dp``, ``train.micro_batch``,
+    ``model.sequence_parallel``); ``global_batch`` defaults to ``train.global_batch`` or
+    ``micro_batch x dp``. Raises ``ValueError`` naming the budget and what all-full needs if nothing fits.
+    """
+    if not (isinstance(budget_gib, (int, float)) and math.isfinite(budget_gib) and budget_gib > 0):
+        raise ValueError(f"memory budget must be a positive number of GiB, got {budget_gib!r}")
+    _, sections = load_sections(config)
+    model, par, train = sections["model"], sections["parallel"], sections["train"]
+    dp = par.dp or 1
+    layout = Layout(tp=par.tp, pp=par.pp, dp=dp, virtual_stages=par.virtual_stages, micro_batch=train.micro_batch,
+                    sequence_parallel=model.sequence_parallel and par.tp > 1)
+    batch = global_batch or train.global_batch or train.micro_batch * dp
+    mix = best_mix(model, layout, budget_gib * GIB, batch, precision)
+    if mix is None:
+        need = memory_per_gpu(model, replace(layout, recompute=Recompute("full")), budget_gib * GIB, batch,
+                              precision)
+        raise ValueError(f"memory budget {budget_gib} GiB is too small for {config}: even full recompute of every "
+                         f"layer needs {need.total / GIB:.2f} GiB per GPU")
+    return layer_modes(mix, model.layers, par.pp, par.virtual_stages)
+
+
+__all__ = ["best_mix", "layer_modes", "recompute_flops", "recompute_layers", "stage_layer_ids"]

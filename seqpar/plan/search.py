@@ -1,0 +1,146 @@
+"""Enumerate the layouts of a model on N GPUs, keep those that fit, rank them by predicted step time.
+
+The space: t dividing the GPUs of a node (TP stays on NVLink); p dividing the layers with t x p
+dividing N; dp = N / (t p); interleaving m dividing the layers of a stage (p > 1, micro-batches a
+multiple of p); micro-batch b dividing the batch per data-parallel rank; SP on or off (t > 1);
+DDP or FSDP (dp > 1); recompute none, selective, full (uniform, N = 1), and the per-layer mix with
+the fewest recomputed FLOPs that fits (:func:`seqpar.plan.recompute.best_mix`) when asked for.
+A mix is never faster than no recompute, so it is only searched where no recompute does not fit
+and could still reach the top ``k``.
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from ..model.config import GPTConfig
+from .gpus import GPU
+from .layout import Layout, Recompute, check_layout
+from .memory import Memory, memory_per_gpu
+from .recompute import best_mix
+from .timing import StepTime, step_time
+
+UNIFORM = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout with its predicted memory and step time."""
+
+    layout: Layout
+    memory: Memory
+    time: StepTime
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Which values each dimension may take (``None``: everything that divides)."""
+
+    tp: tuple[int, ...] | None = None
+    sequence_parallel: tuple[bool, ...] = (True, False)
+    recompute: tuple[str, ...] = UNIFORM  # add "mixed" for per-layer mixes
+    data_parallel: tuple[str, ...] = ("ddp", "fsdp")
+
+
+# The paper's own choices (Table 3 / Table 5): t = 8, one node's GPUs, for every model; p, m, b, SP
+# and uniform recompute free; plain data parallelism.
+PAPER_SPACE = SearchSpace(tp=(8,), recompute=UNIFORM, data_parallel=("ddp",))
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What is being planned: the model, the cluster and the step."""
+
+    model: GPTConfig
+    gpus: int
+    gpu: GPU
+    global_batch: int
+    gpus_per_node: int = 8
+    precision: str = "bf16"
+
+    def __post_init__(self) -> None:
+        bad = {k: getattr(self, k) for k in ("gpus", "global_batch", "gpus_per_node")
+               if not isinstance(getattr(self, k), int) or getattr(self, k) < 1}
+        if bad:
+            raise ValueError(f"need positive integers, got {bad}")
+
+
+def evaluate(problem: Problem, layout: Layout, checked: bool = False) -> Candidate:
+    """Memory and step time of one layout; ``ValueError`` naming the values if it cannot run at all
+    (``checked``: the caller has run :func:`~seqpar.plan.layout.check_layout` already)."""
+    pr = problem
+    if not checked:
+        check_layout(layout, pr.model, pr.gpus, pr.global_batch, pr.gpus_per_node)
+    memory = memory_per_gpu(pr.model, layout, pr.gpu.hbm_bytes, pr.global_batch, pr.precision)
+    time = step_time(pr.model, layout, pr.gpu, pr.global_batch, pr.gpus_per_node, pr.precision)
+    return Candidate(layout, memory, time)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def families(problem: Problem, space: SearchSpace) -> Iterator[Layout]:
+    """Every valid layout of ``space`` with recompute left at none (the caller varies it)."""
+    pr, L = problem, problem.model.layers
+    for t in (t for t in space.tp or _divisors(pr.gpus_per_node) if pr.gpus_per_node % t == 0):
+        for p in (p for p in _divisors(L) if pr.gpus % (t * p) == 0):
+            dp = pr.gpus // (t * p)
+            if pr.global_batch % dp:
+                continue
+            for m in (_divisors(L // p) if p > 1 else [1]):
+                for b in _divisors(pr.global_batch // dp):
+                    for sp in (s for s in space.sequence_parallel if not s or t > 1):
+                        for mode in (d for d in space.data_parallel if d == "ddp" or dp > 1):
+                            layout = Layout(t, p, dp, m, b, sp, Recompute("none"), mode)
+                            try:
+                                check_layout(layout, pr.model, pr.gpus, pr.global_batch, pr.gpus_per_node)
+                            except ValueError:
+                                continue
+                            yield layout
+
+
+@dataclass
+class SearchResult:
+    """The fitting candidates, fastest first (the top ``k`` are exact; mixes below them may be pruned)."""
+
+    ranked: list[Candidate]
+    evaluated: int
+    rejected_memory: int
+
+
+def search(problem: Problem, space: SearchSpace = SearchSpace(), k: int = 10) -> SearchResult:
+    """Rank every fitting layout of ``space`` by predicted step time (see the module docstring)."""
+    ranked: list[Candidate] = []
+    times: list[float] = []
+    evaluated = rejected = 0
+
+    def add(c: Candidate) -> None:
+        i = bisect.bisect(times, c.time.seconds)
+        times.insert(i, c.time.seconds)
+        ranked.insert(i, c)
+
+    for family in families(problem, space):
+        none_time = None
+        for kind in (r for r in UNIFORM if r in space.recompute):
+            c = evaluate(problem, replace(family, recompute=Recompute(kind)), checked=True)
+            evaluated += 1
+            if c.memory.fits:
+                add(c)
+            else:
+                rejected += 1
+            if kind == "none":
+                none_time = c.time.seconds
+                if c.memory.fits:  # nothing recomputes less, so nothing is faster
+                    break
+        else:
+            if "mixed" in space.recompute:
+                kth = times[k - 1] if len(times) >= k else float("inf")
+                if none_time is None or none_time < kth:  # a mix is never faster than no recompute
+                    mix = best_mix(problem.model, family, problem.gpu.hbm_bytes, problem.global_batch,
+                                   problem.precision)
+                    if mix is not None and sum(1 for _, n in mix.counts if n) > 1:
+                        add(evaluate(problem, replace(family, recompute=mix)))
+                        evaluated += 1
+    return SearchResult(ranked, evaluated, rejected)

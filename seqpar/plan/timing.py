@@ -1,0 +1,187 @@
+"""Predicted seconds per training step of a layout, and its MFU / HFU.
+
+One layer, one micro-batch, one GPU (:func:`layer_times`):
+
+* GEMMs (Appendix A's FLOPs, :mod:`seqpar.plan.kernels` for their speed): QKV ``[sb, h] x [h, 3h/t]``,
+  projection ``[sb, h/t] x [h/t, h]``, MLP ``[sb, h] x [h, f/t]`` and ``[sb, f/t] x [f/t, h]``; the
+  attention core ``b a / t`` products ``[s, d] x [d, s]`` and ``[s, s] x [s, d]``. Backward is
+  each one's input and weight gradients.
+* Memory-bound kernels, bytes per element (2-byte activations, 1-byte masks): LayerNorm 4 forward /
+  6 backward, bias-dropout-add 7 / 5 (twice each), GeLU 4 / 6 on ``[s, b, f/t]``, softmax 4 / 6 and
+  attention dropout 5 / 5 on the ``[b, a/t, s, s]`` scores. Without SP the LayerNorm and dropout
+  regions are whole on every TP rank, with SP a 1/t sequence shard.
+* TP communication inside the node: forward, two all-reduces (TP) or two all-gathers and two
+  reduce-scatters (SP): the same bytes, always exposed. Backward as the layers implement it
+  (:mod:`seqpar.layers.linear`): TP all-reduces each column layer's input gradient behind its
+  weight-gradient GEMM; SP all-gathers the output gradient of each row layer (exposed), re-gathers
+  the column layer's input shard behind the input-gradient GEMM and reduce-scatters the input
+  gradient behind the weight-gradient GEMM. Only what outlasts the GEMM it hides behind counts.
+* Recompute: selective repeats the attention core's GEMMs, softmax and dropout; full repeats the
+  whole forward, its collectives included.
+
+One step (:func:`step_time`): the busiest stage's time per micro-batch (its layers, the logits and
+cross-entropy on the last stage, 2m point-to-point sends of ``[s/t, b, h]`` between stages, exposed
+as in Megatron's schedules) times ``n + (p-1)/m`` (``n`` micro-batches; the bubble is
+``(p-1)/(m n)`` of the ideal time); the data-parallel gradient all-reduce (fp32) over the dp group
+minus the backward of the last micro-batch it overlaps (DDP buckets), or FSDP's per-micro-batch
+gathers and reduce-scatters beyond the compute they overlap; and the optimizer step, memory-bound
+at :data:`OPTIMIZER_BYTES_PER_PARAM`.
+
+Calibration: the two GEMM constants of :mod:`seqpar.plan.gpus` were fitted once, to Table 4 only
+(:mod:`seqpar.plan.calibrate`); Table 5's eight iteration times and four MFUs are predictions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..model.config import GPTConfig
+from . import dims
+from .gpus import GPU
+from .kernels import all_reduce_seconds, gather_seconds, gemm_fwd_bwd, link_bandwidth, memory_seconds
+from .layout import Layout, Mode, micro_batches
+from .memory import ACTIVATION_BYTES, layer_params, stage_params
+
+# grad-norm read 4, AdamW reads parameter, gradient, m, v (16) and writes parameter, m, v (12),
+# the bf16 compute copy reads 4 and writes 2, zeroing the fp32 gradients writes 4
+OPTIMIZER_BYTES_PER_PARAM = {"bf16": 4 + 28 + 6 + 4, "fp32": 4 + 28 + 4}
+CROSS_ENTROPY_BYTES_PER_LOGIT = 24  # fp32 logits: cast, max, exp-sum, loss, gradient (about 6 passes of 4 bytes)
+PEAK_SCALE = {"bf16": 1.0, "fp32": 0.5}  # fp32 GEMMs run as TF32 at half the bf16 peak (A100, H100)
+
+
+@dataclass(frozen=True)
+class LayerTimes:
+    """Seconds of one layer for one micro-batch on one GPU."""
+
+    forward: float                # compute + exposed TP communication
+    backward: float
+    recompute: dict[Mode, float]  # extra backward time per recompute mode
+    tp_comm: float                # exposed TP communication in forward + backward (part of the above)
+
+
+def _elementwise_bytes(model: GPTConfig, layout: Layout, u: float) -> tuple[float, float, float, float]:
+    """(other forward, other backward, scores forward, scores backward) bytes of memory-bound kernels."""
+    s, b, h, t = model.seq_len, layout.micro_batch, model.hidden, layout.tp
+    x = s * b * h / (t if layout.sequence_parallel else 1)   # norm / dropout / residual region
+    f = s * b * model.ffn_hidden / t                         # activation-function region
+    scores = b * model.heads * s * s / t
+    mask = 1 if model.dropout > 0 else 0
+    amask = 1 if model.attention_dropout > 0 else 0
+    act_f, act_b = ((3 * u, 5 * u) if dims.swiglu(model) else (2 * u, 3 * u))  # SwiGLU reads gate and up
+    other_f = 2 * 2 * u * x + 2 * (3 * u + mask) * x + act_f * f
+    other_b = 2 * 3 * u * x + 2 * (2 * u + mask) * x + act_b * f
+    score_f = 2 * u * scores + amask * (2 * u + 1) * scores
+    score_b = 3 * u * scores + amask * (2 * u + 1) * scores
+    return other_f, other_b, score_f, score_b
+
+
+def _tp_comm(layout: Layout, gpu: GPU, columns: list[tuple[float, float, float]], ag: float) -> tuple[float, float]:
+    """Exposed (forward, backward) TP communication of one layer; ``columns`` are the column layers' GEMMs."""
+    if layout.tp == 1:
+        return 0.0, 0.0
+    lat = gpu.collective_latency
+    if not layout.sequence_parallel:  # f-bar: two all-reduces; f backward: all-reduce behind wgrad
+        return 4 * ag + 2 * lat, sum(max(0.0, 2 * ag - wgrad) for _, _, wgrad in columns)
+    backward = 0.0  # g-bar backward all-gather; re-gather behind dgrad; reduce-scatter behind wgrad
+    for _, dgrad, wgrad in columns:
+        backward += ag + lat + max(0.0, ag - dgrad) + max(0.0, ag - wgrad)
+    return 4 * ag + 4 * lat, backward
+
+
+_LAYER_CACHE: dict[tuple, LayerTimes] = {}
+
+
+def layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str = "bf16") -> LayerTimes:
+    """Forward, backward and recompute seconds of one transformer layer (see the module docstring)."""
+    key = (dims.model_key(model), layout.tp, layout.micro_batch, layout.sequence_parallel, gpu, precision)
+    if key not in _LAYER_CACHE:
+        _LAYER_CACHE[key] = _layer_times(model, layout, gpu, precision)
+    return _LAYER_CACHE[key]
+
+
+def _layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str) -> LayerTimes:
+    s, b, h, t, f = model.seq_len, layout.micro_batch, model.hidden, layout.tp, model.ffn_hidden
+    sb, ps = s * b, PEAK_SCALE[precision]
+    qkv = gemm_fwd_bwd(gpu, sb, dims.qkv_width(model) // t, h, 1, ps)
+    proj = gemm_fwd_bwd(gpu, sb, h, h // t, 1, ps)
+    fc1, fc2 = gemm_fwd_bwd(gpu, sb, dims.fc1_width(model) // t, h, 1, ps), gemm_fwd_bwd(gpu, sb, h, f // t, 1, ps)
+    heads, d = model.heads * b // t, model.head_dim
+    scores, context = gemm_fwd_bwd(gpu, s, s, d, heads, ps), gemm_fwd_bwd(gpu, s, d, s, heads, ps)
+    dense_f = sum(g[0] for g in (qkv, proj, fc1, fc2))
+    dense_b = sum(g[1] + g[2] for g in (qkv, proj, fc1, fc2))
+    core_f, core_b = scores[0] + context[0], scores[1] + scores[2] + context[1] + context[2]
+    u = ACTIVATION_BYTES[precision]
+    other_f, other_b, score_f, score_b = (memory_seconds(gpu, x) for x in _elementwise_bytes(model, layout, u))
+    ag = gather_seconds(s * b * h * u, t, link_bandwidth(gpu, intra_node=True))  # one [s, b, h] activation
+    comm_f, comm_b = _tp_comm(layout, gpu, [qkv, fc1], ag)
+    forward = dense_f + core_f + other_f + score_f + comm_f
+    backward = dense_b + core_b + other_b + score_b + comm_b
+    recompute = {"none": 0.0, "selective": core_f + score_f, "full": forward}
+    return LayerTimes(forward, backward, recompute, comm_f + comm_b)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Predicted seconds of one optimizer step, by part, and the FLOPs it does."""
+
+    parts: dict[str, float]  # layers, logits, p2p, bubble, data_parallel, optimizer
+    model_flops: float       # per step, all GPUs (Appendix A)
+    hardware_flops: float    # model FLOPs plus the recomputed forward FLOPs, as executed
+    cluster_peak: float      # peak FLOP/s of all GPUs
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.parts.values())
+
+    @property
+    def mfu(self) -> float:
+        return self.model_flops / self.seconds / self.cluster_peak
+
+    @property
+    def hfu(self) -> float:
+        return self.hardware_flops / self.seconds / self.cluster_peak
+
+
+def _data_parallel_seconds(model: GPTConfig, layout: Layout, gpu: GPU, gpus_per_node: int,
+                           mb: float, backward_mb: float, n_micro: int) -> float:
+    """Exposed data-parallel communication of one step (DDP buckets, or FSDP per micro-batch)."""
+    if layout.dp == 1:
+        return 0.0
+    params = max(stage_params(model, layout, 0), stage_params(model, layout, layout.pp - 1))
+    bw = link_bandwidth(gpu, intra_node=layout.tp * layout.dp <= gpus_per_node)
+    if layout.data_parallel == "fsdp":
+        per_micro = 2 * gather_seconds(2 * params, layout.dp, bw) + gather_seconds(4 * params, layout.dp, bw)
+        first_layer = gather_seconds(2 * layer_params(model, layout.tp), layout.dp, bw)
+        return n_micro * (max(0.0, per_micro - mb) + first_layer)
+    comm = all_reduce_seconds(4 * params, layout.dp, bw)  # fp32 gradients
+    stage_layers = model.layers // layout.pp
+    return max(comm / stage_layers, comm - backward_mb)
+
+
+def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpus_per_node: int = 8,
+              precision: str = "bf16") -> StepTime:
+    """Predicted seconds of one training step of ``layout`` (see the module docstring)."""
+    n = micro_batches(layout, global_batch)
+    p, m, t, b = layout.pp, layout.virtual_stages, layout.tp, layout.micro_batch
+    s, h, v, u = model.seq_len, model.hidden, dims.vocab_rows(model, t), ACTIVATION_BYTES[precision]
+    lt = layer_times(model, layout, gpu, precision)
+    counts = layout.recompute.per_stage(model.layers // (p * m), m)
+    backward_mb = sum(k * (lt.backward + lt.recompute[mode]) for mode, k in counts.items())
+    layers_mb = backward_mb + sum(counts.values()) * lt.forward
+    logits = gemm_fwd_bwd(gpu, s * b, v // t, h, 1, PEAK_SCALE[precision])
+    logits_mb = sum(logits) + memory_seconds(gpu, CROSS_ENTROPY_BYTES_PER_LOGIT * s * b * v / t)
+    p2p_mb = 0.0
+    if p > 1:
+        bw = link_bandwidth(gpu, intra_node=t * layout.dp * p <= gpus_per_node)
+        p2p_mb = 2 * m * (s * b * h * u / t / bw + gpu.p2p_latency)
+    mb = layers_mb + logits_mb + p2p_mb  # the last stage, the slowest: it sets the pace
+    shard = layout.dp if layout.data_parallel == "fsdp" else 1
+    params = max(stage_params(model, layout, 0), stage_params(model, layout, p - 1)) / shard
+    parts = {"layers": n * layers_mb, "logits": n * logits_mb, "p2p": n * p2p_mb,
+             "bubble": (layers_mb + p2p_mb) * (p - 1) / m,  # filling and draining the other stages
+             "data_parallel": _data_parallel_seconds(model, layout, gpu, gpus_per_node, mb, backward_mb, n),
+             "optimizer": memory_seconds(gpu, params * OPTIMIZER_BYTES_PER_PARAM[precision])}
+    dense, core = dims.layer_forward_flops(model, b)
+    per_micro = 3 * (model.layers * (dense + core) + 2.0 * s * b * h * model.vocab_size)
+    recomputed = p * (counts["selective"] * core + counts["full"] * (dense + core))
+    steps = n * layout.dp  # micro-batches of b sequences per step, all pipelines
+    return StepTime(parts, per_micro * steps, (per_micro + recomputed) * steps, gpu.peak_flops * layout.gpus)
