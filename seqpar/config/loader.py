@@ -2,7 +2,7 @@
 
 Precedence: command-line overrides > file > dataclass defaults. Every key is checked: an unknown
 key, a value of the wrong type or a missing required field raises :class:`ConfigError` naming the
-full dotted key (``train.lr``) and the offending value, printed at most ~100 characters long (a
+full dotted key (``train.lr``) and the offending value, printed at most ~120 characters long (a
 YAML alias bomb must not build a megabyte message). After a dataclass is built, its ``validate()``
 method runs if it has one, so range and cross-field checks live next to the fields; a
 ``ValueError`` it raises becomes a :class:`ConfigError`, and a message that starts with the class
@@ -36,9 +36,9 @@ class ConfigError(ValueError):
 
 
 _SHOW = reprlib.Repr()
-_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother = 3, 60, 60
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother = 3, 80, 80
 _SHOW.maxlist = _SHOW.maxtuple = _SHOW.maxdict = _SHOW.maxset = 4
-SHOW_LIMIT = 100
+SHOW_LIMIT = 120
 
 
 def show(value: Any) -> str:
