@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 import tempfile
 import types
 from pathlib import Path
@@ -247,12 +248,18 @@ def test_every_schema_field_has_valid_and_invalid_values():
 
 # --------------------------------------------------------------------------- shape checks
 
+def _names(msg: str, number: int, shape: tuple[int, ...] = ()) -> bool:
+    """``number`` appears in ``msg`` as a number of its own, outside the printed ``shape``."""
+    return re.search(rf"(?<![\d.]){number}(?![\d.])", msg.replace(str(tuple(shape)), "")) is not None
+
+
 @FAST
 @given(st.integers(0, 10**6), st.integers(1, 64))
 def test_check_divisible_raises_exactly_when_not_divisible(size, t):
     if size % t:
-        with pytest.raises(ValueError, match=rf"\({size}\).*t={t}"):
+        with pytest.raises(ValueError, match=f"t={t}") as err:
             check_divisible(size, t, "dim")
+        assert _names(str(err.value), size), str(err.value)
     else:
         check_divisible(size, t, "dim")
 
@@ -265,11 +272,13 @@ SHAPES = st.lists(st.integers(1, 9), min_size=1, max_size=4)
 def test_operator_dim_check_names_the_size_or_the_dim(shape, dim, t):
     x = torch.empty(shape)
     if not -len(shape) <= dim < len(shape):
-        with pytest.raises(ValueError, match=rf"dim {dim} is out of range.*{tuple(shape)}"):
+        with pytest.raises(ValueError, match="out of range") as err:
             regions._check_dim(x, dim, t, "op")
+        assert _names(str(err.value), dim, shape) and str(tuple(shape)) in str(err.value), str(err.value)
     elif shape[dim] % t:
-        with pytest.raises(ValueError, match=rf"\({shape[dim]}\) is not divisible by .*t={t}"):
+        with pytest.raises(ValueError, match=f"t={t}") as err:
             regions._check_dim(x, dim, t, "op")
+        assert _names(str(err.value), shape[dim], shape), str(err.value)
     else:
         regions._check_dim(x, dim, t, "op")
 
@@ -305,8 +314,10 @@ def test_linear_layers_refuse_a_wrong_input_width_naming_it(in_features, width, 
     layer = cls(in_features, out_features, tp_group=None)
     x = torch.randn(*lead, width)
     if width != in_features:
-        with pytest.raises(ValueError, match=rf"last dim is {width} but the layer expects {in_features}"):
+        with pytest.raises(ValueError) as err:
             layer(x)
+        msg = str(err.value)
+        assert _names(msg, width, tuple(x.shape)) and _names(msg, in_features, tuple(x.shape)), msg
     else:
         assert layer(x).shape == (*lead, out_features)
 
