@@ -1,7 +1,10 @@
-"""Data pipeline: tokenizer/token cache, held-out split, seeded DP-sliced batches, resume."""
+"""Data pipeline: tokenizer/token cache (verified, self-healing), held-out split, seeded batches cut
+from one global batch per step, resume."""
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
 import threading
 from pathlib import Path
@@ -90,6 +93,92 @@ def test_fingerprint_tracks_content_vocab_and_cap(corpus_dir, tmp_path):
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 4
 
 
+def test_run_folders_inside_the_source_are_not_corpus(corpus_dir, tmp_path):
+    cache, out, ckpt = corpus_dir / "cache", corpus_dir / "runs", corpus_dir / "ckpt"
+    kw = dict(vocab_size=VOCAB, cache_dir=cache, exclude=(out, ckpt))
+    first = prepare_corpus(corpus_dir, log=lambda s: None, **kw)
+    for folder in (out, ckpt / "step_00000001"):  # what a run writes there: configs, json, a tokenizer
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text("train:\n  steps: 1\n")
+        (folder / "tokenizer.json").write_text("{}")
+    logs, log = collect()
+    again = prepare_corpus(corpus_dir, log=log, **kw)
+    assert logs == [] and np.array_equal(first.tokens, again.tokens), "same fingerprint: nothing rebuilt"
+    assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
+    assert [d.path for d in list_documents(corpus_dir, exclude=(cache, out, ckpt))] == \
+        sorted((corpus_dir / n).resolve() for n in TEXT_FILES)
+
+
+def _folder(cache: Path) -> Path:
+    (folder,) = [p for p in cache.iterdir() if p.is_dir()]
+    return folder
+
+
+def _flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_cache_is_named_by_readers_and_rebuilt_by_prepare(corpus_dir, tmp_path):
+    cache = tmp_path / "cache"
+    expected = np.array(prepare_corpus(corpus_dir, vocab_size=VOCAB, cache_dir=cache, log=lambda s: None).tokens)
+    folder = _folder(cache)
+    meta, tokens = folder / "meta.json", folder / "tokens.bin"
+    damages = {  # what power loss or a full disk leaves behind -> what a reader is told
+        "truncated tokens.bin": (lambda: os.truncate(tokens, 100), r"tokens\.bin has 100 bytes, meta\.json records"),
+        "empty meta.json": (lambda: meta.write_text(""), r"meta\.json is unreadable"),
+        "corrupt meta.json": (lambda: meta.write_text('{"fingerprint": '), r"meta\.json is unreadable"),
+        "a flipped bit": (lambda: _flip_byte(tokens, 10), r"tokens\.bin does not match the SHA-256"),
+        "an older meta.json": (lambda: meta.write_text(json.dumps({k: v for k, v in json.loads(
+            meta.read_text()).items() if k != "files"})), r"meta\.json is unreadable or incomplete"),
+    }
+    for what, (damage, message) in damages.items():
+        damage()
+        with pytest.raises(ValueError, match=message):
+            open_corpus(corpus_dir, vocab_size=VOCAB, cache_dir=cache)
+        logs, log = collect()
+        healed = prepare_corpus(corpus_dir, vocab_size=VOCAB, cache_dir=cache, log=log)
+        assert any("rebuilding the corpus cache" in line for line in logs), (what, logs)
+        assert np.array_equal(healed.tokens, expected), what
+        assert np.array_equal(open_corpus(corpus_dir, vocab_size=VOCAB, cache_dir=cache).tokens, expected), what
+        if what == "a flipped bit":  # the tokenizer is recorded intact in meta.json: kept, not retrained
+            assert any("reusing tokenizer" in line for line in logs) and not any("training" in x for x in logs)
+
+
+def test_cache_ids_are_range_checked_when_opened(corpus_dir, tmp_path):
+    """A cache that verifies but holds an id outside the vocabulary is refused (and rebuilt)."""
+    cache = tmp_path / "cache"
+    expected = np.array(prepare_corpus(corpus_dir, vocab_size=VOCAB, cache_dir=cache, log=lambda s: None).tokens)
+    folder = _folder(cache)
+    forged = expected.copy()
+    forged[7] = 4000
+    forged.tofile(folder / "tokens.bin")
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["files"]["tokens.bin"]["sha256"] = hashlib.sha256(forged.tobytes()).hexdigest()
+    (folder / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"tokens\.bin holds id 4000, outside the vocabulary \[0, 300\)"):
+        open_corpus(corpus_dir, vocab_size=VOCAB, cache_dir=cache)
+    healed = prepare_corpus(corpus_dir, vocab_size=VOCAB, cache_dir=cache, log=lambda s: None)
+    assert np.array_equal(healed.tokens, expected)
+
+
+def test_cache_files_are_fsynced_and_meta_comes_last(corpus_dir, tmp_path, monkeypatch):
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def spy(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", spy)
+    prepare_corpus(corpus_dir, vocab_size=VOCAB, cache_dir=tmp_path / "cache", log=lambda s: None)
+    folder = str(_folder(tmp_path / "cache"))
+    files = [Path(p).name.split(".tmp")[0] for p in synced if p != folder]
+    assert [f.rsplit(".", 2)[0] for f in files] == [".tokenizer.json", ".tokens.bin", ".meta.json"], synced
+    assert synced.count(folder) == 3, "the folder is synced after each rename"
+
+
 def test_open_before_prepare_errors(corpus_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="prepare_corpus"):
         open_corpus(corpus_dir, vocab_size=VOCAB, cache_dir=tmp_path / "cache")
@@ -136,8 +225,10 @@ def test_token_file_inputs(tmp_path, corpus_dir):
         assert np.array_equal(open_corpus(tmp_path / name, vocab_size=1000).tokens, ids)
     with pytest.raises(ValueError, match="without a tokenizer.json"):
         corpus.encode("x")
-    with pytest.raises(ValueError, match=r"ids\.npy' holds ids in \[0, 999\], outside vocab_size 500"):
+    with pytest.raises(ValueError, match=r"ids\.npy': id 504 at position 72 is outside the vocabulary \[0, 500\)"):
         open_corpus(tmp_path / "ids.npy", vocab_size=500)
+    with pytest.raises(ValueError, match=r"ids\.bin': id 999 at position 857 is outside the vocabulary \[0, 999\)"):
+        prepare_corpus(tmp_path / "ids.bin", vocab_size=999, cache_dir=tmp_path / "cache")
     (tmp_path / "odd.bin").write_bytes(b"\x00\x01\x02")
     with pytest.raises(ValueError, match=r"odd\.bin'.*not a whole number of uint16"):
         open_corpus(tmp_path / "odd.bin", vocab_size=1000)
@@ -180,57 +271,78 @@ TOKENS = np.arange(10_000, dtype=np.uint16)  # token id == position, so inputs[:
 
 
 def test_batch_shapes_and_shift():
-    x, y = next(TokenBatches(TOKENS, seq_len=16, micro_batch=3, seed=1))
+    (x, y), = next(TokenBatches(TOKENS, seq_len=16, micro_batch=3, seed=1))
     assert x.shape == y.shape == (3, 16) and x.dtype == y.dtype == torch.int64
     assert torch.equal(y, x + 1)
 
 
-def test_deterministic_tp_identical_dp_different():
-    def run(seed: int, dp_rank: int = 0) -> list[torch.Tensor]:
-        it = TokenBatches(TOKENS, seq_len=8, micro_batch=4, seed=seed, dp_rank=dp_rank, dp_size=2)
-        return [next(it)[0] for _ in range(5)]
+def test_batches_depend_on_the_ids_not_on_how_they_are_held(tmp_path):
+    """TP ranks of one DP rank open the corpus themselves: an on-disk uint16 memmap and an in-memory
+    int64 copy of the same ids give identical batches; other DP ranks and seeds give others."""
+    TOKENS.tofile(tmp_path / "ids.bin")
+    on_disk = np.memmap(tmp_path / "ids.bin", dtype=np.uint16, mode="r")
 
-    tp0, tp1 = run(0), run(0)  # TP ranks of one DP rank build the loader identically
+    def run(tokens: np.ndarray, seed: int = 0, dp_rank: int = 0) -> list[torch.Tensor]:
+        it = TokenBatches(tokens, seq_len=8, micro_batch=4, seed=seed, dp_rank=dp_rank, dp_size=2)
+        return [next(it)[0][0] for _ in range(5)]
+
+    tp0, tp1 = run(on_disk), run(TOKENS.astype(np.int64).copy())
     assert all(torch.equal(a, b) for a, b in zip(tp0, tp1))
-    assert not any(torch.equal(a, b) for a, b in zip(tp0, run(0, dp_rank=1)))
-    assert not any(torch.equal(a, b) for a, b in zip(tp0, run(1)))
+    assert not any(torch.equal(a, b) for a, b in zip(tp0, run(on_disk, dp_rank=1)))
+    assert not any(torch.equal(a, b) for a, b in zip(tp0, run(on_disk, seed=1)))
     assert not torch.equal(tp0[0], tp0[1])
 
 
-def test_dp_slices_union_equals_single_rank_double_batch():
-    single = TokenBatches(TOKENS, seq_len=8, micro_batch=6, seed=3)
-    ranks = [TokenBatches(TOKENS, seq_len=8, micro_batch=3, seed=3, dp_rank=r, dp_size=2) for r in range(2)]
-    for _ in range(4):
-        x, y = next(single)
-        parts = [next(r) for r in ranks]
+@pytest.mark.parametrize("micro_batch, accum, dp", [(4, 2, 1), (2, 2, 2), (1, 4, 2), (2, 1, 4)])
+def test_every_split_of_a_global_batch_trains_on_the_same_windows(micro_batch, accum, dp):
+    """A step's windows depend on (seed, step, global batch) only: micro-batch m of DP rank r is
+    slice (m * dp + r) of the 8-window global batch, whatever the micro-batch and accumulation."""
+    whole = TokenBatches(TOKENS, seq_len=8, micro_batch=8, seed=3)
+    ranks = [TokenBatches(TOKENS, seq_len=8, micro_batch=micro_batch, seed=3, dp_rank=r, dp_size=dp, accum=accum)
+             for r in range(dp)]
+    assert all(r.global_batch == 8 for r in ranks)
+    for step in range(4):
+        (x, y), = whole.step_batches(step)
+        per_rank = [r.step_batches(step) for r in ranks]
+        assert all(len(p) == accum for p in per_rank)
+        parts = [per_rank[r][m] for m in range(accum) for r in range(dp)]
         assert torch.equal(torch.cat([p[0] for p in parts]), x) and torch.equal(torch.cat([p[1] for p in parts]), y)
+    with pytest.raises(ValueError, match=r"micro must lie in \[0, 2\), got 2"):
+        TokenBatches(TOKENS, seq_len=8, micro_batch=2, seed=0, accum=2).batch(0, 2)
 
 
 def test_resume_continues_the_same_stream():
-    uninterrupted = TokenBatches(TOKENS, seq_len=8, micro_batch=2, seed=5, dp_rank=1, dp_size=2)
+    kw = dict(seq_len=8, micro_batch=2, seed=5, dp_rank=1, dp_size=2, accum=2)
+    uninterrupted = TokenBatches(TOKENS, **kw)
     expected = [next(uninterrupted) for _ in range(7)]
-    first = TokenBatches(TOKENS, seq_len=8, micro_batch=2, seed=5, dp_rank=1, dp_size=2)
+    first = TokenBatches(TOKENS, **kw)
     for _ in range(4):
         next(first)
     state = first.state_dict()
-    assert state == {"step": 4, "seed": 5}
-    resumed = TokenBatches(TOKENS, seq_len=8, micro_batch=2, seed=5, dp_rank=1, dp_size=2)
+    assert state == {"step": 4, "seed": 5, "global_batch": 8}
+    resumed = TokenBatches(TOKENS, **kw)
     resumed.load_state_dict(state)
     for want in expected[4:]:
         got = next(resumed)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert all(torch.equal(g[0], w[0]) and torch.equal(g[1], w[1]) for g, w in zip(got, want))
     with pytest.raises(ValueError, match="checkpoint seed 5 differs from seed 6"):
         TokenBatches(TOKENS, seq_len=8, micro_batch=2, seed=6).load_state_dict(state)
 
 
-def test_eval_batches_fixed_and_dp_sliced():
-    held = TOKENS[:500]
+def test_eval_batches_spread_evenly_and_cut_like_a_step():
+    held = TOKENS[1000:1500]  # id == position + 1000, so a window's first input is its start
     full = eval_batches(held, seq_len=8, micro_batch=4, num_batches=2)
-    assert all(torch.equal(a[0], b[0]) for a, b in zip(full, eval_batches(held, seq_len=8, micro_batch=4,
-                                                                          num_batches=2)))
-    halves = [eval_batches(held, seq_len=8, micro_batch=2, num_batches=2, dp_rank=r, dp_size=2) for r in range(2)]
-    for b in range(2):
-        assert torch.equal(torch.cat([halves[0][b][0], halves[1][b][0]]), full[b][0])
+    starts = [int(x[i, 0]) - 1000 for x, _ in full for i in range(4)]
+    assert starts[0] == 0 and starts[-1] == len(held) - 9, "from the first window to the last"
+    assert {b - a for a, b in zip(starts, starts[1:])} == {70, 71}, "8 windows evenly over 491 positions"
+    for x, y in full:
+        assert all(torch.equal(row, torch.arange(int(row[0]), int(row[0]) + 8)) for row in x)
+        assert torch.equal(y, x + 1)
+    split = [eval_batches(held, seq_len=8, micro_batch=1, num_batches=2, dp_rank=r, dp_size=2, accum=2)
+             for r in range(2)]
+    for b in range(2):  # micro m of rank r is slice m * dp + r of each global batch
+        parts = [split[r][b * 2 + m][0] for m in range(2) for r in range(2)]
+        assert torch.equal(torch.cat(parts), full[b][0])
 
 
 @pytest.mark.parametrize("kwargs, pattern", [
@@ -242,3 +354,5 @@ def test_batch_argument_errors(kwargs, pattern):
     args = dict(seq_len=8, micro_batch=2, seed=0) | kwargs
     with pytest.raises(ValueError, match=pattern):
         TokenBatches(TOKENS, **args)
+    with pytest.raises(ValueError, match=r"accum=0"):
+        eval_batches(TOKENS, seq_len=8, micro_batch=2, num_batches=1, accum=0)

@@ -1,4 +1,4 @@
-"""Training data: a locally trained byte-level BPE, a cached token memmap, and seeded batches.
+"""Training data: a locally trained byte-level BPE and a cached, verified token memmap.
 
 Corpus sources (``source`` argument):
 
@@ -8,28 +8,41 @@ Corpus sources (``source`` argument):
 
 Text sources are capped at ``max_bytes``, tokenised with a BPE trained on them, and cached under
 ``cache_dir/corpus-<fingerprint>/`` (``tokenizer.json``, ``tokens.bin``, ``meta.json``). The
-fingerprint covers file paths, sizes, mtimes, the vocabulary size and the byte cap. Under
-distributed training call :func:`prepare_corpus` on one rank, barrier, then :func:`open_corpus`
-on the others; concurrent ``prepare_corpus`` calls are also safe (file lock, atomic renames).
+fingerprint covers file paths, sizes, mtimes, the vocabulary size and the byte cap; the cache
+folder and the folders in ``exclude`` (a run's ``out_dir`` and checkpoint dir) are not part of the
+corpus even when they sit inside the source.
+
+The cache survives crashes and heals itself. Each file is written under a temporary name,
+fsynced, renamed into place and its folder fsynced; ``meta.json`` comes last and records each
+file's size and SHA-256. Opening verifies both files in one read (which also finds the largest
+id, so every id is known to be ``< vocab_size``); :func:`prepare_corpus` rebuilds a folder that
+fails (a truncated ``tokens.bin``, an empty or corrupt ``meta.json``), :func:`open_corpus` names
+the problem. Token files are range-checked when opened, so batches cut from any corpus hold only
+ids inside the vocabulary.
+
+Under distributed training every rank calls :func:`prepare_corpus`: a file lock lets one process
+build the cache while the others wait on the lock (no collective, so no process-group timeout
+applies however long the build takes), then each opens the verified result. Batches are cut by
+:mod:`seqpar.train.batches`.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import sysconfig
-import uuid
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 import torch
-from tokenizers import ByteLevelBPETokenizer, Tokenizer
+from tokenizers import Tokenizer
 
-EOT = "<|endoftext|>"
+from .batches import TokenBatches, eval_batches  # noqa: F401  (re-exported: the data pipeline's batches)
+from .corpus_cache import (CHUNK, EOT, Document, Log, build_cache, cache_problem, locked,  # noqa: F401
+                           token_dtype)
+
 MIN_VOCAB = 257  # 256 byte tokens + the end-of-text token
 DEFAULT_MAX_BYTES = 8_000_000
 TEXT_SUFFIXES = frozenset(".py .txt .md .rst .tex .c .h .cc .cpp .hpp .rs .go .js .ts .java .html .css .json "
@@ -37,7 +50,6 @@ TEXT_SUFFIXES = frozenset(".py .txt .md .rst .tex .c .h .cc .cpp .hpp .rs .go .j
 TOKEN_SUFFIXES = frozenset({".bin", ".npy"})
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
 _FORMAT = 1  # bump to invalidate every cache entry
-Log = Callable[[str], None]
 
 
 def default_cache_dir() -> Path:
@@ -45,38 +57,29 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("SEQPAR_CACHE") or "~/.cache/seqpar").expanduser()
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """``uint16`` when every id fits (vocab <= 65535), else ``uint32``."""
-    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
-
-
-@dataclass(frozen=True)
-class Document:
-    path: Path
-    nbytes: int  # bytes read from the start of the file (the last file may be cut by the cap)
-    size: int
-    mtime_ns: int
-
-
-def _walk(root: Path, skip: frozenset[str]) -> list[Path]:
+def _walk(root: Path, skip: frozenset[str], excluded: frozenset[Path]) -> list[Path]:
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith(".")]
+        dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith(".")
+                       and Path(dirpath, d).resolve() not in excluded]
         found += [Path(dirpath, f) for f in filenames if Path(f).suffix.lower() in TEXT_SUFFIXES]
     return sorted(found)
 
 
-def list_documents(source: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES) -> list[Document]:
-    """Text files of ``source`` in sorted order, keeping a prefix of at most ``max_bytes`` bytes."""
+def list_documents(source: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES,
+                   exclude: Iterable[str | Path] = ()) -> list[Document]:
+    """Text files of ``source`` in sorted order, keeping a prefix of at most ``max_bytes`` bytes;
+    folders in ``exclude`` (and everything under them) are skipped."""
     if max_bytes <= 0:
         raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+    excluded = frozenset(Path(p).expanduser().resolve() for p in exclude)
     if source is None:
         root = Path(sysconfig.get_paths()["stdlib"])
-        paths = [p for p in _walk(root, _SKIP_DIRS) if p.suffix == ".py"]
+        paths = [p for p in _walk(root, _SKIP_DIRS, excluded) if p.suffix == ".py"]
     else:
         root = Path(source)
         if root.is_dir():
-            paths = _walk(root, frozenset({"__pycache__"}))
+            paths = _walk(root, frozenset({"__pycache__"}), excluded)
         elif root.is_file():
             paths = [root]
         else:
@@ -95,107 +98,63 @@ def list_documents(source: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES
     return docs
 
 
-def _read(doc: Document) -> str:
-    with open(doc.path, "rb") as f:
-        return f.read(doc.nbytes).decode("utf-8", errors="replace")  # a cut may split a character
-
-
 def fingerprint(docs: Sequence[Document], vocab_size: int, max_bytes: int) -> str:
     """Hex digest identifying the cached tokenizer + tokens for these inputs."""
     key = [_FORMAT, vocab_size, max_bytes, [(str(d.path), d.size, d.mtime_ns) for d in docs]]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
 
-def _atomic(path: Path, write: Callable[[Path], None]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-@contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # waits while another rank prepares this corpus; freed on close
-        yield
-
-
-def _train_tokenizer(docs: list[Document], vocab_size: int, out: Path, log: Log) -> Tokenizer:
-    log(f"data: training byte-level BPE (vocab {vocab_size}) on {len(docs)} files, "
-        f"{sum(d.nbytes for d in docs) / 1e6:.1f} MB")
-    bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator((_read(d) for d in docs), vocab_size=vocab_size, min_frequency=2,
-                            special_tokens=[EOT], show_progress=False, length=len(docs))
-    _atomic(out, lambda tmp: bpe.save(str(tmp)))
-    log(f"data: tokenizer with {bpe.get_vocab_size()} tokens saved to {out}")
-    return Tokenizer.from_file(str(out))
-
-
-def _encode_corpus(docs: list[Document], tok: Tokenizer, dtype: np.dtype, out: Path, log: Log,
-                   chunk: int = 256) -> int:
-    eot, total, done = tok.token_to_id(EOT), 0, 0
-
-    def write(tmp: Path) -> None:
-        nonlocal total, done
-        with open(tmp, "wb") as f:
-            for start in range(0, len(docs), chunk):
-                batch = docs[start:start + chunk]
-                for i, enc in enumerate(tok.encode_batch([_read(d) for d in batch])):
-                    ids = enc.ids if start + i == 0 else [eot, *enc.ids]  # documents joined by EOT
-                    np.asarray(ids, dtype=dtype).tofile(f)
-                    total += len(ids)
-                done += sum(d.nbytes for d in batch)
-                log(f"data: encoded {start + len(batch)}/{len(docs)} files ({done / 1e6:.1f} MB), {total:,} tokens")
-
-    _atomic(out, write)
-    return total
+def _cache_base(cache_dir: str | Path | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
 
 
 def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_dir: str | Path | None = None,
-                   max_bytes: int = DEFAULT_MAX_BYTES, log: Log = print) -> Corpus:
-    """Train the tokenizer and encode the corpus unless cached; return the opened corpus.
+                   max_bytes: int = DEFAULT_MAX_BYTES, log: Log = print,
+                   exclude: Iterable[str | Path] = ()) -> Corpus:
+    """Train the tokenizer and encode the corpus unless a verified cache exists; return the opened corpus.
 
-    Safe to call from several processes at once (one does the work, the others wait on a lock
-    and then reuse it). Token files (``.bin``/``.npy``) are only checked and opened.
+    Safe to call from every rank at once (one builds, the others wait on a file lock, then verify
+    and reuse it). A cache that fails verification is rebuilt. Token files (``.bin``/``.npy``) are
+    only checked and opened. ``exclude``: folders inside ``source`` that are not corpus.
     """
     if _is_token_file(source):
         return open_corpus(source, vocab_size=vocab_size, cache_dir=cache_dir, max_bytes=max_bytes)
     _check_vocab(vocab_size)
-    docs = list_documents(source, max_bytes)
+    base = _cache_base(cache_dir)
+    docs = list_documents(source, max_bytes, exclude=(*exclude, base))
     fp = fingerprint(docs, vocab_size, max_bytes)
-    base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     base.mkdir(parents=True, exist_ok=True)
     folder = base / f"corpus-{fp[:16]}"
-    with _locked(base / f"corpus-{fp[:16]}.lock"):
-        if _meta(folder, fp) is None:
-            folder.mkdir(exist_ok=True)
-            tok_path, dtype = folder / "tokenizer.json", token_dtype(vocab_size)
-            if tok_path.exists():  # an earlier run stopped after training: keep its tokenizer
-                tok = Tokenizer.from_file(str(tok_path))
-                log(f"data: reusing tokenizer {tok_path}")
-            else:
-                tok = _train_tokenizer(docs, vocab_size, tok_path, log)
-            n = _encode_corpus(docs, tok, dtype, folder / "tokens.bin", log)
-            meta = {"fingerprint": fp, "source": str(source or "<stdlib>"), "files": len(docs),
-                    "vocab_size": vocab_size, "tokenizer_vocab_size": tok.get_vocab_size(), "dtype": dtype.name,
-                    "tokens": n}
-            _atomic(folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
-            log(f"data: wrote {n:,} tokens to {folder}")
-    return _open_folder(folder, fp, vocab_size)
+    with locked(base / f"corpus-{fp[:16]}.lock", log):
+        meta, problem = cache_problem(folder, fp, vocab_size)
+        if meta is None:
+            if (folder / "meta.json").exists() or (folder / "tokens.bin").exists():
+                log(f"data: rebuilding the corpus cache: {problem}")
+            build_cache(folder, docs, fp, source, vocab_size, log)
+            meta, problem = cache_problem(folder, fp, vocab_size)
+            if meta is None:
+                raise RuntimeError(f"the corpus cache just written fails its own check: {problem}")
+    return _open_folder(folder, meta, vocab_size)
 
 
 def open_corpus(source: str | Path | None = None, *, vocab_size: int, cache_dir: str | Path | None = None,
-                max_bytes: int = DEFAULT_MAX_BYTES) -> Corpus:
-    """Open an already prepared corpus read-only (no training, no writes, no lock)."""
+                max_bytes: int = DEFAULT_MAX_BYTES, exclude: Iterable[str | Path] = ()) -> Corpus:
+    """Open an already prepared corpus read-only (no training, no writes, no lock), verified first."""
     if _is_token_file(source):  # any vocabulary larger than the ids it holds
         return _open_token_file(Path(source), vocab_size)
     _check_vocab(vocab_size)
-    docs = list_documents(source, max_bytes)
+    base = _cache_base(cache_dir)
+    docs = list_documents(source, max_bytes, exclude=(*exclude, base))
     fp = fingerprint(docs, vocab_size, max_bytes)
-    base = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return _open_folder(base / f"corpus-{fp[:16]}", fp, vocab_size)
+    folder = base / f"corpus-{fp[:16]}"
+    meta, problem = cache_problem(folder, fp, vocab_size)
+    if meta is None:
+        hint = (f"call prepare_corpus(...) with the same source, vocab_size, max_bytes and exclude "
+                f"(it builds or rebuilds {str(folder)!r})")
+        if not (folder / "meta.json").exists():
+            raise FileNotFoundError(f"no prepared corpus in {str(folder)!r}; {hint}")
+        raise ValueError(f"the corpus cache is unusable: {problem}; {hint}")
+    return _open_folder(folder, meta, vocab_size)
 
 
 def _check_vocab(vocab_size: int) -> None:
@@ -207,33 +166,53 @@ def _is_token_file(source: str | Path | None) -> bool:
     return source is not None and Path(source).suffix.lower() in TOKEN_SUFFIXES
 
 
-def _meta(folder: Path, fp: str) -> dict | None:
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-    except FileNotFoundError:
-        return None
-    return meta if meta.get("fingerprint") == fp else None
-
-
-def _open_folder(folder: Path, fp: str, vocab_size: int) -> Corpus:
-    meta = _meta(folder, fp)
-    if meta is None:
-        raise FileNotFoundError(f"no prepared corpus in {str(folder)!r}; call prepare_corpus(...) on one rank "
-                                f"(before a barrier) with the same source, vocab_size and max_bytes")
+def _open_folder(folder: Path, meta: dict, vocab_size: int) -> Corpus:
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     tokens = np.memmap(folder / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["tokens"],))
     return Corpus(tokens, vocab_size, tok, tok.token_to_id(EOT))
 
 
+def _first_outside(tokens: np.ndarray, vocab_size: int) -> tuple[int, int] | None:
+    """``(position, id)`` of the first id outside ``[0, vocab_size)``, or None; chunked."""
+    step = CHUNK // max(1, tokens.dtype.itemsize)
+    for lo in range(0, tokens.size, step):
+        part = np.asarray(tokens[lo:lo + step])
+        bad = np.flatnonzero((part < 0) | (part >= vocab_size))
+        if bad.size:
+            return lo + int(bad[0]), int(part[bad[0]])
+    return None
+
+
+def _bin_dtype(path: Path, vocab_size: int) -> np.dtype:
+    """The id type of a raw ``.bin``: from a ``meta.json`` beside it (checking the size it
+    records), else the smallest type holding ``vocab_size`` ids."""
+    meta_path = path.with_name("meta.json")
+    if not meta_path.exists():
+        return token_dtype(vocab_size)
+    try:
+        meta = json.loads(meta_path.read_text())
+        dtype = np.dtype(meta["dtype"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"token file {str(path)!r}: {str(meta_path)!r} beside it is unreadable "
+                         f"({type(e).__name__}: {str(e)[:200]})") from None
+    files = meta.get("files")
+    record = files.get(path.name) if isinstance(files, dict) else None
+    recorded = record.get("bytes") if isinstance(record, dict) else None
+    if recorded is not None and recorded != path.stat().st_size:
+        raise ValueError(f"token file {str(path)!r} has {path.stat().st_size} bytes, {str(meta_path)!r} records "
+                         f"{recorded} (truncated?)")
+    return dtype
+
+
 def _open_token_file(path: Path, vocab_size: int) -> Corpus:
-    """Open ``.npy`` or raw ``.bin`` ids; a ``tokenizer.json`` (and ``meta.json``) beside it is used if present."""
+    """Open ``.npy`` or raw ``.bin`` ids, every id checked against ``vocab_size``; a
+    ``tokenizer.json`` (and ``meta.json``) beside it is used if present."""
     if not path.is_file():
         raise FileNotFoundError(f"token file {str(path)!r} does not exist")
-    meta_path, tok_path = path.with_name("meta.json"), path.with_name("tokenizer.json")
     if path.suffix.lower() == ".npy":
         tokens = np.load(path, mmap_mode="r")
     else:
-        dtype = np.dtype(json.loads(meta_path.read_text())["dtype"]) if meta_path.exists() else token_dtype(vocab_size)
+        dtype = _bin_dtype(path, vocab_size)
         if path.stat().st_size % dtype.itemsize:
             raise ValueError(f"token file {str(path)!r}: {path.stat().st_size} bytes is not a whole number "
                              f"of {dtype.name} ids")
@@ -241,9 +220,11 @@ def _open_token_file(path: Path, vocab_size: int) -> Corpus:
     if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or tokens.size == 0:
         raise ValueError(f"token file {str(path)!r} must hold a non-empty 1-D integer array, "
                          f"got shape {tokens.shape} dtype {tokens.dtype}")
-    lo, hi = int(tokens.min()), int(tokens.max())
-    if lo < 0 or hi >= vocab_size:
-        raise ValueError(f"token file {str(path)!r} holds ids in [{lo}, {hi}], outside vocab_size {vocab_size}")
+    bad = _first_outside(tokens, vocab_size)
+    if bad is not None:
+        raise ValueError(f"token file {str(path)!r}: id {bad[1]} at position {bad[0]} is outside the vocabulary "
+                         f"[0, {vocab_size}) (model.vocab_size)")
+    tok_path = path.with_name("tokenizer.json")
     tok = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
     return Corpus(tokens, vocab_size, tok, tok.token_to_id(EOT) if tok is not None else None)
 
@@ -252,7 +233,7 @@ def _open_token_file(path: Path, vocab_size: int) -> Corpus:
 class Corpus:
     """Token ids of a whole corpus (read-only memmap) and the tokenizer that made them."""
 
-    tokens: np.ndarray  # [n] ids, all < vocab_size
+    tokens: np.ndarray  # [n] ids, all < vocab_size (checked when opened)
     vocab_size: int  # embedding rows the model needs (>= the tokenizer's own vocabulary)
     tokenizer: Tokenizer | None  # None for a bare token file
     eot_id: int | None
@@ -276,74 +257,3 @@ class Corpus:
         """Text of ``ids``; end-of-text tokens are kept so document boundaries stay visible."""
         ids = ids.tolist() if isinstance(ids, (np.ndarray, torch.Tensor)) else list(ids)
         return self._tok().decode(ids, skip_special_tokens=False)
-
-
-def _windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = np.stack([np.asarray(tokens[s:s + seq_len + 1], dtype=np.int64) for s in starts])
-    x = torch.from_numpy(rows)  # [b, s + 1]
-    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
-
-
-def _check_split(tokens: np.ndarray, seq_len: int, micro_batch: int, dp_rank: int, dp_size: int, what: str) -> None:
-    if seq_len < 1 or micro_batch < 1 or not 0 <= dp_rank < dp_size:
-        raise ValueError(f"{what}: need seq_len >= 1, micro_batch >= 1, 0 <= dp_rank < dp_size; got seq_len="
-                         f"{seq_len} micro_batch={micro_batch} dp_rank={dp_rank} dp_size={dp_size}")
-    if len(tokens) < seq_len + 1:
-        raise ValueError(f"{what}: {len(tokens)} tokens are fewer than seq_len + 1 = {seq_len + 1}")
-
-
-class TokenBatches:
-    """Random ``seq_len + 1`` windows of ``tokens`` as ``(inputs, labels)`` int64 ``[micro_batch, seq_len]``.
-
-    Micro-step ``k`` draws ``micro_batch * dp_size`` window starts from
-    ``Generator(PCG64([seed, k]))``; DP rank ``r`` takes slice ``r``. Batches therefore do not
-    depend on TP rank, differ across DP ranks, and a dp=2 run sees exactly the windows of a dp=1
-    run with twice the micro-batch. The only state is the micro-step counter, so resuming from
-    :meth:`state_dict` continues the same stream.
-    """
-
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, micro_batch: int, seed: int,
-                 dp_rank: int = 0, dp_size: int = 1):
-        _check_split(tokens, seq_len, micro_batch, dp_rank, dp_size, "TokenBatches")
-        self.tokens, self.seq_len, self.micro_batch = tokens, seq_len, micro_batch
-        self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
-        self.step = 0
-
-    def starts(self, step: int) -> np.ndarray:
-        """Window starts of this DP rank at micro-step ``step``."""
-        rng = np.random.Generator(np.random.PCG64([self.seed, step]))
-        everyone = rng.integers(0, len(self.tokens) - self.seq_len, size=self.micro_batch * self.dp_size)
-        return everyone[self.dp_rank * self.micro_batch:(self.dp_rank + 1) * self.micro_batch]
-
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return _windows(self.tokens, self.starts(step), self.seq_len)
-
-    def __iter__(self) -> TokenBatches:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.batch(self.step)
-        self.step += 1
-        return out
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "seed": self.seed}
-
-    def load_state_dict(self, state: dict) -> None:
-        if state.get("seed") != self.seed:
-            raise ValueError(f"TokenBatches: checkpoint seed {state.get('seed')!r} differs from seed {self.seed}")
-        self.step = int(state["step"])
-
-
-def eval_batches(tokens: np.ndarray, *, seq_len: int, micro_batch: int, num_batches: int,
-                 dp_rank: int = 0, dp_size: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed evaluation batches: ``num_batches * micro_batch * dp_size`` windows spread evenly over
-    ``tokens`` (the held-out split); DP rank ``r`` takes slice ``r`` of each batch. No randomness."""
-    _check_split(tokens, seq_len, micro_batch, dp_rank, dp_size, "eval_batches")
-    if num_batches < 1:
-        raise ValueError(f"eval_batches: num_batches must be >= 1, got {num_batches}")
-    per_batch = micro_batch * dp_size
-    starts = np.linspace(0, len(tokens) - seq_len - 1, num_batches * per_batch).astype(np.int64)
-    lo = dp_rank * micro_batch
-    return [_windows(tokens, starts[b * per_batch + lo:b * per_batch + lo + micro_batch], seq_len)
-            for b in range(num_batches)]

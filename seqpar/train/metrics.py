@@ -52,13 +52,18 @@ class MetricsLogger:
         for k, v in scalars.items():
             parts.append(f"{k} {'n/a' if v is None else _fmt_value(v)}")
         print(" | ".join(parts), flush=True)
-        record = {"step": step, **{k: v for k, v in scalars.items() if v is not None}}
-        self.jsonl.write(json.dumps(record) + "\n")
+        self.record(step, scalars)
+
+    def record(self, step: int, scalars: dict[str, float | None]) -> None:
+        """Write ``scalars`` (None values left out) to ``metrics.jsonl`` and TensorBoard, printing nothing."""
+        if not self.enabled:
+            return
+        kept = {k: v for k, v in scalars.items() if v is not None}
+        self.jsonl.write(json.dumps({"step": step, **kept}) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
-            for k, v in scalars.items():
-                if v is not None:
-                    self.tb.add_scalar(k.replace(" ", "_"), v, step)
+            for k, v in kept.items():
+                self.tb.add_scalar(k.replace(" ", "_"), v, step)
 
     def close(self) -> None:
         """Close the files (safe to call more than once)."""

@@ -1,25 +1,29 @@
 """The Trainer: data -> GPT (TP + SP + recompute) -> DP reduction -> clip -> AdamW, one method per job.
 
 Setup (``Trainer(cfg)``), in order: validate the config (every rank, before any collective) ->
-mesh -> header and resolved config -> corpus, train stream and eval batches -> GPT -> DDP over dp
--> optimizer -> precision context. :meth:`Trainer.fit` then resumes and runs the loop.
+mesh -> header and resolved config -> corpus (every rank prepares it; a file lock, not a
+collective, makes the others wait while one builds the cache), train stream and eval batches ->
+GPT -> DDP over dp -> optimizer -> precision context. :meth:`Trainer.fit` then resumes and runs
+the loop.
 
 Order of operations per optimizer step (:meth:`Trainer.train_step`), on every rank:
-set the step's learning rate -> micro-batches forward/backward (:meth:`Trainer.forward_backward`;
-DDP's dp all-reduce only on the last micro-batch, ``no_sync`` before) -> SP-replicated grads
-all-reduced over TP -> TP-aware global-norm clipping -> AdamW step, grads zeroed -> one world
-all-reduce carrying the mean loss and the stop flag (:meth:`Trainer.agree`) -> non-finite loss
-check. After the step, :meth:`Trainer.fit` logs, evaluates and checkpoints on their intervals, and
-stops cleanly after a checkpoint when any rank received SIGTERM.
+set the step's learning rate -> the step's micro-batches, cut from its global batch (a function of
+seed and step only) -> forward/backward (:meth:`Trainer.forward_backward`; DDP's dp all-reduce
+only on the last micro-batch, ``no_sync`` before) -> SP-replicated grads all-reduced over TP ->
+TP-aware global-norm clipping -> one world all-reduce carrying the mean loss, the stop flag and
+whether the grad norm is finite (:meth:`Trainer.agree`) -> AdamW step, or, when the loss or the
+gradients are not finite, a stop naming the step or a skipped step (``train.nonfinite_grads``)
+-> grads zeroed. After the step, :meth:`Trainer.fit` logs, evaluates and checkpoints on their
+intervals (never weights holding NaN/inf), and stops cleanly after a checkpoint when any rank
+received SIGTERM.
 """
 from __future__ import annotations
 
 import contextlib
 import math
 import os
-import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,28 +38,13 @@ from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh, init_parallel, validate_layout
 from ..memory.ledger import ActivationLedger
 from ..model import GPT
+from .batches import Batch, TokenBatches, eval_batches
 from .checkpoint import latest_checkpoint, load_checkpoint, open_checkpoint_dir, save_checkpoint
-from .data import Corpus, TokenBatches, eval_batches, open_corpus, prepare_corpus
+from .data import Corpus, prepare_corpus
+from .faults import StopRequest, check_finite_weights, check_tokenizer, nonfinite_error, nonfinite_what
 from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, clip_grad_norm_tp, lr_at
-
-Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), int64 [micro_batch, seq_len]
-
-
-class _StopRequest:
-    """Remembers a SIGTERM so the loop can checkpoint and exit at the next step boundary."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.requested = True
-
-    def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
-
 
 @dataclass(frozen=True)
 class StepMetrics:
@@ -65,15 +54,11 @@ class StepMetrics:
     grad_norm: float  # global L2 norm of the full model's gradients, before clipping
     lr: float         # learning rate the step used
     stop: bool        # some rank asked to stop (SIGTERM): checkpoint and exit after this step
+    skipped: bool = False  # non-finite loss/grads under train.nonfinite_grads=skip: no optimizer step
 
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 class Trainer:
@@ -98,9 +83,9 @@ class Trainer:
             if self._ckpt_dir is not None:
                 self._ckpt_dir.close()
             raise
-        self.history: dict = {"steps": [], "losses": [], "eval": [], "checkpoint": None}
+        self.history: dict = {"steps": [], "losses": [], "eval": [], "checkpoint": None, "skipped": []}
         self.start_step = 0  # first step this process runs (> 0 after a resume)
-        self._stop: _StopRequest | None = None  # installed by fit()
+        self._stop: StopRequest | None = None  # installed by fit()
         self._act_bytes: int | None = None  # activations saved for backward, measured once on CPU
         self._mem_shown = False
 
@@ -129,14 +114,13 @@ class Trainer:
             self.logger.print("resolved config:\n" + "\n".join("  " + line for line in dump(cfg).splitlines()))
 
     def _load_corpus(self) -> Corpus:
-        """The first rank prepares (tokenizes, caches) the corpus; the others open it after a barrier."""
+        """Every rank prepares the corpus: one builds (tokenizes, caches) it while the others wait
+        on the cache's file lock, which has no timeout, instead of in a collective that has one.
+        The run's output and checkpoint folders are never part of the corpus."""
         dc = self.cfg.data
-        kw = dict(vocab_size=self.mc.vocab_size, cache_dir=dc.cache_dir, max_bytes=dc.max_bytes)
-        if self.mesh.is_first:
-            corpus = prepare_corpus(dc.source, log=self.logger.print, **kw)
-        _barrier()
-        if not self.mesh.is_first:
-            corpus = open_corpus(dc.source, **kw)
+        corpus = prepare_corpus(dc.source, vocab_size=self.mc.vocab_size, cache_dir=dc.cache_dir,
+                                max_bytes=dc.max_bytes, log=self.logger.print,
+                                exclude=(self.cfg.out_dir, self.cfg.checkpoint.dir))
         if corpus.vocab_size > self.mc.vocab_size:
             raise ValueError(f"the corpus needs vocab_size >= {corpus.vocab_size}, model.vocab_size is "
                              f"{self.mc.vocab_size}")
@@ -148,11 +132,11 @@ class Trainer:
         self.corpus = self._load_corpus()
         train_tokens, heldout = self.corpus.split(self.cfg.data.eval_fraction)
         self.batches = TokenBatches(train_tokens, seq_len=mc.seq_len, micro_batch=tc.micro_batch, seed=tc.seed,
-                                    dp_rank=mesh.dp_rank, dp_size=self.dp)
+                                    dp_rank=mesh.dp_rank, dp_size=self.dp, accum=self.accum)
         has_eval = tc.eval_interval > 0 and len(heldout) > mc.seq_len
         self.evals: list[Batch] = (eval_batches(heldout, seq_len=mc.seq_len, micro_batch=tc.micro_batch,
                                                 num_batches=tc.eval_batches, dp_rank=mesh.dp_rank,
-                                                dp_size=self.dp) if has_eval else [])
+                                                dp_size=self.dp, accum=self.accum) if has_eval else [])
         self.attachments: dict[str, Path] = {}
         if self.corpus.tokenizer is not None:  # checkpoints carry it so `seqpar generate` needs nothing else
             self.attachments["tokenizer.json"] = Path(self.cfg.out_dir) / "tokenizer.json"
@@ -201,12 +185,13 @@ class Trainer:
             group["lr"] = lr
         return lr
 
-    def micro_batches(self, step: int) -> Iterator[Batch]:
+    def micro_batches(self, step: int) -> list[Batch]:
         """The ``accum`` micro-batches of optimizer step ``step`` on this dp rank, on the mesh device:
-        the next ones of the training stream (its position is what checkpoints record)."""
-        for _ in range(self.accum):
-            tokens, labels = next(self.batches)
-            yield tokens.to(self.mesh.device), labels.to(self.mesh.device)
+        this rank's share of the step's global batch, which depends only on seed and step. Their
+        ids come from a corpus range-checked when opened, so no per-batch vocabulary check (a
+        host sync on GPUs) is needed."""
+        self.batches.step = step + 1  # the stream position checkpoints record
+        return [(x.to(self.mesh.device), y.to(self.mesh.device)) for x, y in self.batches.step_batches(step)]
 
     def _grad_sync(self, micro: int) -> AbstractContextManager:
         """DDP reduces over dp on the last micro-batch only; ``no_sync`` before it."""
@@ -220,7 +205,7 @@ class Trainer:
             return ActivationLedger(self.model)
         return None
 
-    def forward_backward(self, micro_batches: Iterator[Batch]) -> torch.Tensor:
+    def forward_backward(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
         """Forward and backward over ``micro_batches``, each loss scaled by 1/accum so the grads are
         the step's mean. Returns this rank's mean loss (float64 scalar on the CPU)."""
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -235,14 +220,15 @@ class Trainer:
             loss_sum += loss.detach().double().cpu() / self.accum
         return loss_sum
 
-    def agree(self, loss_sum: torch.Tensor, stop: bool) -> tuple[float, bool]:
+    def agree(self, loss_sum: torch.Tensor, stop: bool, finite: bool = True) -> tuple[float, bool, bool]:
         """One world all-reduce: the mean of ``loss_sum`` over the world (= over dp; TP replicas
-        agree) and whether any rank passed ``stop``. Returns ``(loss, stop)``, identical on all ranks."""
-        flag = torch.tensor([loss_sum.item(), float(stop)], dtype=torch.float64)
+        agree), whether any rank passed ``stop`` and whether every rank passed ``finite``.
+        Returns ``(loss, stop, finite)``, identical on all ranks."""
+        flag = torch.tensor([loss_sum.item(), float(stop), float(not finite)], dtype=torch.float64)
         if dist.is_initialized():
             dist.all_reduce(flag)
             flag[0] /= dist.get_world_size()
-        return float(flag[0]), bool(flag[1] > 0)
+        return float(flag[0]), bool(flag[1] > 0), not flag[2] > 0
 
     @property
     def stop_requested(self) -> bool:
@@ -250,19 +236,28 @@ class Trainer:
         return self._stop is not None and self._stop.requested
 
     def train_step(self, step: int) -> StepMetrics:
-        """Run optimizer step ``step`` (from 0); a collective on every rank. Raises
-        ``FloatingPointError`` when the mean loss is not finite."""
+        """Run optimizer step ``step`` (from 0); a collective on every rank. When the mean loss or
+        the gradients are not finite (on any rank) the optimizer step is not taken: under
+        ``train.nonfinite_grads=stop`` (default) ``FloatingPointError`` names the step, under
+        ``skip`` the grads are dropped and the step counted in ``history["skipped"]``."""
         lr = self.set_lr(step)
         loss_sum = self.forward_backward(self.micro_batches(step))
         sync_sp_replicated_grads(self.model, self.mesh.tp_group)
         grad_norm = clip_grad_norm_tp(self.model, self.tc.grad_clip, self.mesh.tp_group)
-        self.optimizer.step()
+        loss, stop, finite = self.agree(loss_sum, self.stop_requested, math.isfinite(grad_norm))
+        grad_norm = grad_norm if finite else float("nan")  # the same on every rank
+        skipped = not (finite and math.isfinite(loss))
+        if skipped and self.tc.nonfinite_grads == "stop":
+            self.optimizer.zero_grad(set_to_none=True)
+            raise nonfinite_error(step, loss, grad_norm)
+        if skipped:
+            self.history["skipped"].append(step + 1)
+            self.logger.print(f"step {step + 1}: {nonfinite_what(loss, grad_norm)}; optimizer step skipped "
+                              f"({len(self.history['skipped'])} so far, train.nonfinite_grads=skip)")
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss, stop = self.agree(loss_sum, self.stop_requested)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss ({loss}) at step {step + 1}; stopping. Lower "
-                                     f"train.lr or check the data; the last checkpoint is kept.")
-        return StepMetrics(loss=loss, grad_norm=grad_norm, lr=lr, stop=stop)
+        return StepMetrics(loss=loss, grad_norm=grad_norm, lr=lr, stop=stop, skipped=skipped)
 
     # ---- evaluation, checkpoints, samples ------------------------------------------------------
 
@@ -288,6 +283,7 @@ class Trainer:
 
     def save(self, step: int) -> Path:
         """Checkpoint the model, optimizer, RNG streams and data position as step ``step``; every rank."""
+        check_finite_weights(self.model, step)  # every rank, before any rank starts writing
         ck = self.cfg.checkpoint
         extra = {"data": self.batches.state_dict(), "tp": self.mesh.tp_size, "dp": self.dp}
         path = save_checkpoint(ck.dir, step, self.model, self.optimizer, extra, dump(self.cfg), self.model.rng,
@@ -303,6 +299,7 @@ class Trainer:
         latest = latest_checkpoint(ck.dir) if ck.resume == "auto" else None
         if latest is None:
             return self.start_step
+        check_tokenizer(latest, self.corpus.tokenizer, self.cfg.data.source)
         extra = load_checkpoint(latest, self.model, self.optimizer, self.model.rng)
         self.start_step = int(extra["step"])
         self.batches.load_state_dict(extra["data"])
@@ -330,7 +327,9 @@ class Trainer:
         self.throughput.add(seconds)
         if not (done % self.tc.log_interval == 0 or done == self.tc.steps):
             return
-        self.logger.log(done, {"loss": m.loss, "lr": m.lr, "grad norm": m.grad_norm, **self.throughput.report()})
+        skipped = {"skipped steps": len(self.history["skipped"])} if self.history["skipped"] else {}
+        self.logger.log(done, {"loss": m.loss, "lr": m.lr, "grad norm": m.grad_norm, **skipped,
+                               **self.throughput.report()})
         if self.mesh.device.type == "cuda" or not self._mem_shown:  # the CPU figure is measured once
             self.logger.print(f"           memory: {self._memory()}")
             self._mem_shown = True
@@ -341,6 +340,7 @@ class Trainer:
         if self.evals and tc.eval_interval > 0 and (done % tc.eval_interval == 0 or done == tc.steps):
             ev = self.evaluate()
             self.history["eval"].append((done, ev))
+            self.logger.record(done, {"eval loss": ev})
             self.logger.print(f"           eval loss {ev:.4f} at step {done}")
         if m.stop or done == tc.steps or (interval > 0 and done % interval == 0):
             self.save(done)
@@ -351,7 +351,7 @@ class Trainer:
         stopped = False
         try:
             self.resume()
-            self._stop = _StopRequest()
+            self._stop = StopRequest()
             for step in range(self.start_step, self.tc.steps):
                 t0 = time.perf_counter()
                 m = self.train_step(step)

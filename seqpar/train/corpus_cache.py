@@ -1,0 +1,196 @@
+"""The prepared-corpus cache folder: crash-safe writes, verification on open, (re)building.
+
+A folder ``corpus-<fingerprint>/`` holds ``tokenizer.json``, ``tokens.bin`` (raw ids) and
+``meta.json``. Each file is written under a temporary name, fsynced, renamed into place and the
+folder fsynced; ``meta.json`` comes last and records each file's size and SHA-256, so a folder
+either verifies completely (:func:`cache_problem`) or is rebuilt (:func:`build_cache`). The
+policy (when to build, what to tell the user) lives in :mod:`seqpar.train.data`.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+EOT = "<|endoftext|>"
+CHUNK = 1 << 24  # bytes read at a time when verifying (a multiple of every id size)
+Log = Callable[[str], None]
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """``uint16`` when every id fits (vocab <= 65535), else ``uint32``."""
+    return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
+
+
+@dataclass(frozen=True)
+class Document:
+    """One input file of a text corpus, as listed (and fingerprinted) before reading."""
+
+    path: Path
+    nbytes: int  # bytes read from the start of the file (the last file may be cut by the cap)
+    size: int
+    mtime_ns: int
+
+
+def read_document(doc: Document) -> str:
+    """The listed prefix of ``doc`` as text (undecodable bytes replaced)."""
+    with open(doc.path, "rb") as f:
+        return f.read(doc.nbytes).decode("utf-8", errors="replace")  # a cut may split a character
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)``, fsync it, rename it over ``path``, fsync the folder: after a crash ``path``
+    is the old file or the complete new one, never a part."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        write(tmp)
+        _fsync(tmp)
+        os.replace(tmp, path)
+        _fsync(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@contextmanager
+def locked(path: Path, log: Log) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if needed), saying so when another process has it."""
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"data: waiting for another process preparing the corpus (lock {path})")
+            fcntl.flock(f, fcntl.LOCK_EX)  # no timeout: the holder's exit frees it
+        yield
+
+
+def file_digest(path: Path, dtype: np.dtype | None = None) -> dict | None:
+    """``{"bytes", "sha256"}`` of ``path`` (plus ``"max_id"`` when ``dtype`` is given) in one
+    chunked read; None when the file is missing."""
+    h, nbytes, top = hashlib.sha256(), 0, -1
+    try:
+        f = open(path, "rb")
+    except FileNotFoundError:
+        return None
+    with f:
+        while block := f.read(CHUNK):
+            h.update(block)
+            nbytes += len(block)
+            if dtype is not None and len(block) >= dtype.itemsize:
+                ids = np.frombuffer(block, dtype=dtype, count=len(block) // dtype.itemsize)
+                top = max(top, int(ids.max()))
+    out = {"bytes": nbytes, "sha256": h.hexdigest()}
+    return out | {"max_id": top} if dtype is not None else out
+
+
+def cache_problem(folder: Path, fp: str, vocab_size: int) -> tuple[dict | None, str | None]:
+    """``(meta, None)`` when ``folder`` holds a complete cache of fingerprint ``fp`` whose ids all
+    lie below ``vocab_size``; else ``(None, what is wrong)``. Reads every byte of both files."""
+    meta_path = folder / "meta.json"
+    if not meta_path.is_file():
+        return None, f"{meta_path} is missing"
+    try:
+        meta = json.loads(meta_path.read_text())
+        dtype, n, files = np.dtype(meta["dtype"]), int(meta["tokens"]), meta["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return None, f"{meta_path} is unreadable or incomplete ({type(e).__name__}: {str(e)[:200]})"
+    if meta.get("fingerprint") != fp:
+        return None, f"{meta_path} describes other inputs"
+    for name in ("tokenizer.json", "tokens.bin"):  # tokens last: ``got`` then describes them
+        want = files.get(name) if isinstance(files, dict) else None
+        got = file_digest(folder / name, dtype if name == "tokens.bin" else None)
+        if got is None or not isinstance(want, dict):
+            return None, f"{folder / name} is missing or not recorded in meta.json"
+        if got["bytes"] != want.get("bytes"):
+            return None, f"{folder / name} has {got['bytes']} bytes, meta.json records {want.get('bytes')}"
+        if got["sha256"] != want.get("sha256"):
+            return None, f"{folder / name} does not match the SHA-256 recorded in meta.json"
+    if got["bytes"] != n * dtype.itemsize:
+        return None, f"{meta_path} records {n} tokens of {dtype.name} but tokens.bin has {got['bytes']} bytes"
+    if got["max_id"] >= vocab_size:
+        return None, (f"{folder / 'tokens.bin'} holds id {got['max_id']}, outside the vocabulary "
+                      f"[0, {vocab_size})")
+    return meta, None
+
+
+def _train_tokenizer(docs: list[Document], vocab_size: int, out: Path, log: Log) -> Tokenizer:
+    log(f"data: training byte-level BPE (vocab {vocab_size}) on {len(docs)} files, "
+        f"{sum(d.nbytes for d in docs) / 1e6:.1f} MB")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator((read_document(d) for d in docs), vocab_size=vocab_size, min_frequency=2,
+                            special_tokens=[EOT], show_progress=False, length=len(docs))
+    atomic_write(out, lambda tmp: bpe.save(str(tmp)))
+    log(f"data: tokenizer with {bpe.get_vocab_size()} tokens saved to {out}")
+    return Tokenizer.from_file(str(out))
+
+
+def _reusable_tokenizer(folder: Path, log: Log) -> Tokenizer | None:
+    """The tokenizer of an earlier build that stopped after training it (``meta.json`` absent, or
+    recording this very file); None when there is none or it cannot be trusted."""
+    tok_path, meta_path = folder / "tokenizer.json", folder / "meta.json"
+    if not tok_path.is_file():
+        return None
+    if meta_path.exists():
+        try:
+            recorded = json.loads(meta_path.read_text())["files"]["tokenizer.json"]["sha256"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if recorded != file_digest(tok_path)["sha256"]:
+            return None
+    try:
+        tok = Tokenizer.from_file(str(tok_path))
+    except Exception:  # noqa: BLE001 - any unreadable tokenizer is retrained
+        return None
+    log(f"data: reusing tokenizer {tok_path}")
+    return tok
+
+
+def _encode_corpus(docs: list[Document], tok: Tokenizer, dtype: np.dtype, out: Path, log: Log,
+                   chunk: int = 256) -> int:
+    eot, total, done = tok.token_to_id(EOT), 0, 0
+
+    def write(tmp: Path) -> None:
+        nonlocal total, done
+        with open(tmp, "wb") as f:
+            for start in range(0, len(docs), chunk):
+                batch = docs[start:start + chunk]
+                for i, enc in enumerate(tok.encode_batch([read_document(d) for d in batch])):
+                    ids = enc.ids if start + i == 0 else [eot, *enc.ids]  # documents joined by EOT
+                    np.asarray(ids, dtype=dtype).tofile(f)
+                    total += len(ids)
+                done += sum(d.nbytes for d in batch)
+                log(f"data: encoded {start + len(batch)}/{len(docs)} files ({done / 1e6:.1f} MB), {total:,} tokens")
+
+    atomic_write(out, write)
+    return total
+
+
+def build_cache(folder: Path, docs: list[Document], fp: str, source: str | Path | None, vocab_size: int,
+                log: Log) -> None:
+    """Write the tokenizer (reused when an earlier build left a trusted one), the tokens, then the meta."""
+    folder.mkdir(exist_ok=True)
+    tok = _reusable_tokenizer(folder, log) or _train_tokenizer(docs, vocab_size, folder / "tokenizer.json", log)
+    (folder / "meta.json").unlink(missing_ok=True)  # from here on the folder reads as incomplete
+    dtype = token_dtype(vocab_size)
+    n = _encode_corpus(docs, tok, dtype, folder / "tokens.bin", log)
+    meta = {"fingerprint": fp, "source": str(source or "<stdlib>"), "documents": len(docs),
+            "vocab_size": vocab_size, "tokenizer_vocab_size": tok.get_vocab_size(), "dtype": dtype.name,
+            "tokens": n, "files": {name: file_digest(folder / name) for name in ("tokenizer.json", "tokens.bin")}}
+    atomic_write(folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
+    log(f"data: wrote {n:,} tokens to {folder}")

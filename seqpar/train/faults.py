@@ -1,0 +1,84 @@
+"""What the Trainer does when something goes wrong: SIGTERM, non-finite values, a changed tokenizer.
+
+Every decision that involves several ranks is taken on a value all ranks agree on (the
+Trainer's one all-reduce per step, or the all-reduce in :func:`check_finite_weights`), so every
+rank stops, skips or saves together and none enters a collective alone.
+"""
+from __future__ import annotations
+
+import json
+import math
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class StopRequest:
+    """Remembers a SIGTERM so the loop can checkpoint and exit at the next step boundary."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def restore(self) -> None:
+        """Put back the handler that was installed before."""
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def nonfinite_what(loss: float, grad_norm: float) -> str:
+    """What was not finite: the loss (named first: it implies the gradients) or the gradients."""
+    if math.isfinite(loss):
+        return f"non-finite gradients (global grad norm {grad_norm})"
+    return f"non-finite loss ({loss})"
+
+
+def nonfinite_error(step: int, loss: float, grad_norm: float) -> FloatingPointError:
+    """The error that stops the run at optimizer step ``step`` (from 0); the weights are untouched."""
+    return FloatingPointError(f"{nonfinite_what(loss, grad_norm)} at step {step + 1}; stopping before the "
+                              f"optimizer step. Lower train.lr or check the data, or set "
+                              f"train.nonfinite_grads=skip; the last checkpoint is kept.")
+
+
+def check_finite_weights(model: nn.Module, step: int) -> None:
+    """Raise ``FloatingPointError`` on every rank when any rank's weights hold NaN/inf, naming this
+    rank's offending parameters. One all-reduce over the world; call on every rank before saving."""
+    params = [(n, p) for n, p in model.named_parameters()]
+    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in params]) if params else torch.ones(0)
+    bad = [n for (n, _), ok in zip(params, finite.tolist()) if not ok]
+    count = torch.tensor([float(len(bad))], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(count)
+    if count.item() > 0:
+        where = "on another rank"
+        if bad:
+            where = "here: " + ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else "")
+        raise FloatingPointError(f"refusing to checkpoint step {step}: the weights hold NaN/inf ({where}); "
+                                 f"the last checkpoint is kept")
+
+
+def _tokenizer_model(text: str) -> dict:
+    """The parts of a tokenizer's JSON that decide which ids a text gets."""
+    data = json.loads(text)
+    return {k: data.get(k) for k in ("model", "normalizer", "pre_tokenizer", "added_tokens")}
+
+
+def check_tokenizer(checkpoint: Path, tokenizer, source: str | None) -> None:
+    """Raise ``ValueError`` when ``checkpoint`` carries a ``tokenizer.json`` and ``tokenizer`` (the
+    corpus's, a ``tokenizers.Tokenizer``) maps text to different ids: resuming would train the
+    model on ids that mean other tokens. No check when either side has no tokenizer."""
+    saved = Path(checkpoint) / "tokenizer.json"
+    if tokenizer is None or not saved.is_file():
+        return
+    mine, theirs = _tokenizer_model(tokenizer.to_str()), _tokenizer_model(saved.read_text())
+    if mine != theirs:
+        sizes = (len((theirs.get("model") or {}).get("vocab") or {}), len((mine.get("model") or {}).get("vocab") or {}))
+        raise ValueError(f"checkpoint {str(checkpoint)!r} was trained with a different tokenizer ({sizes[0]} tokens) "
+                         f"than the corpus data.source={source!r} gives ({sizes[1]} tokens); resuming would feed it "
+                         f"ids that mean other tokens. Use the original data.source and model.vocab_size, or a "
+                         f"new checkpoint.dir (or checkpoint.resume=never) to start over.")
