@@ -101,3 +101,22 @@ def test_unsupported_and_malformed_inputs_raise():
     del state["blocks.1.mlp.fc2.bias"]
     with pytest.raises(ValueError, match=r"missing \['blocks.1.mlp.fc2.bias'\]"):
         to_hf(config, state)
+
+
+ARCHITECTURE = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head", "n_inner", "resid_pdrop", "embd_pdrop",
+                "attn_pdrop", "layer_norm_epsilon", "activation_function", "initializer_range", "tie_word_embeddings")
+
+
+def test_config_round_trip_carries_the_whole_architecture():
+    """Every GPT-2 setting that changes what the model computes survives from_hf -> to_hf; one that
+    seqpar's GPT cannot hold (different embedding and residual dropout) raises instead of vanishing.
+    A compiled model converts like the plain one."""
+    hf = hf_gpt2(n_positions=24, n_inner=48, resid_pdrop=0.05, embd_pdrop=0.05, attn_pdrop=0.2,
+                 layer_norm_epsilon=1e-6, initializer_range=0.03, tie_word_embeddings=False)
+    back = to_hf(*from_hf(hf), attn_implementation="eager")
+    assert {k: getattr(back.config, k) for k in ARCHITECTURE} == {k: getattr(hf.config, k) for k in ARCHITECTURE}
+    with pytest.raises(ValueError, match=r"embd_pdrop=0.0 != resid_pdrop=0.1"):
+        from_hf(hf_gpt2(embd_pdrop=0.0, resid_pdrop=0.1))
+    (config, state), (c_config, c_state) = from_hf(hf), from_hf(torch.compile(hf))
+    assert c_config == config and state.keys() == c_state.keys()
+    assert all(torch.equal(state[k], c_state[k]) for k in state)

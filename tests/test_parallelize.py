@@ -1,6 +1,7 @@
 """Drop-in parallelization of Hugging Face GPT-2 and Llama: same loss, gradients and training curve
 as the unparallelized model; RNG-exact selective recomputation; clear plan errors."""
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -10,55 +11,15 @@ transformers = pytest.importorskip("transformers")
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS  # noqa: E402
 
 from distributed_harness import rel_err, run_ranks, tp_group_of  # noqa: E402
+from dropin_helpers import B, S, batch, gpt2, grads_of, llama, loss_of  # noqa: E402
 from gpt_helpers import mesh_for  # noqa: E402
 from seqpar import parallelize, plans  # noqa: E402
 from seqpar.distributed import RNGStreams  # noqa: E402
 from seqpar.dropin import Plan, checkpoint_attention, dense_state_dict  # noqa: E402
 from seqpar.layers import ColumnParallelLinear  # noqa: E402
 
-B, S = 2, 16
-
-
-def gpt2(seed=0, **kw):
-    cfg = dict(vocab_size=64, n_positions=S, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
-               attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="eager")
-    cfg.update(kw)
-    torch.manual_seed(seed)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg))
-
-
-def llama(seed=0, **kw):
-    cfg = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, max_position_embeddings=S, attn_implementation="eager")
-    cfg.update(kw)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
-
-
 BUILD = {"gpt2": (gpt2, plans.gpt2), "llama": (llama, plans.llama)}
 DROPOUT = {"gpt2": dict(attn_pdrop=0.3, resid_pdrop=0.1, embd_pdrop=0.1), "llama": dict(attention_dropout=0.3)}
-
-
-def batch(seed=0):
-    return torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(seed))
-
-
-def loss_of(model, ids):
-    return model(input_ids=ids, labels=ids, use_cache=False).loss
-
-
-def grads_of(model, parallel: bool) -> dict:
-    """Gradients by parameter name, in the dense layout (gathered over TP for a parallel model)."""
-    params = dict(model.named_parameters())
-    if not parallel:
-        return {n: p.grad.clone() for n, p in params.items()}
-    saved = {n: p.data for n, p in params.items()}
-    for p in params.values():
-        p.data = p.grad
-    full = dense_state_dict(model)
-    for n, p in params.items():
-        p.data = saved[n]
-    return {n: full[n] for n in params}
 
 
 def step_losses(model, ids, steps=5, lr=0.3):
@@ -107,7 +68,8 @@ def _ranks(rank, world):
     errors = []
     for build, plan, kw in ((gpt2, plans.gpt2, dict(n_embd=33, n_head=3)),
                             (llama, plans.llama, dict(num_key_value_heads=1)),
-                            (gpt2, lambda: Plan(layers={"transformer.h.*.attn.c_attn": "column"}), {})):
+                            (gpt2, lambda: Plan(layers={"transformer.h.*.attn.c_attn": "column"}), {}),
+                            (gpt2, lambda: dataclasses.replace(plans.gpt2(), seq_dim=None), {})):
         model = build(**kw)
         try:
             parallelize(model, plan(), mesh)
@@ -178,10 +140,11 @@ def test_checkpoint_attention_is_rng_exact_under_tp_sp(ranks, name):
 
 
 def test_plan_errors_name_the_problem_and_change_nothing(ranks):
-    (heads, _), (gqa, _), (sp, _) = errors = ranks[0]["errors"]
+    (heads, _), (gqa, _), (sp, _), (seq_dim, _) = errors = ranks[0]["errors"]
     assert "config.n_head = 3 not divisible by t=2" in heads and "out_features 99 not divisible" in heads
     assert "config.num_key_value_heads = 1 not divisible by t=2" in gqa
     assert "plan.sp_start" in sp  # sequence parallelism needs the region's boundaries
+    assert "plan.seq_dim" in seq_dim and "1 for batch-first [b, s, h]" in seq_dim  # and the sequence dim stated
     assert not any(touched for _, touched in errors), "a rejected plan must leave the model unchanged"
     with pytest.raises(ValueError, match="'transformer.h.*.attn.qkv' matches no module"):
         parallelize(gpt2(), Plan(layers={"transformer.h.*.attn.qkv": "column"}), None)

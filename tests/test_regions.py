@@ -116,8 +116,8 @@ def _bad_dims(rank, world):
 def test_indivisible_dims_raise_on_every_rank(spawn):
     """Errors name the operator, ``seq_dim``, the shape and t, and say which seq_dim fits which layout."""
     for msgs in spawn(_bad_dims, 2):
-        assert msgs[0].startswith("reduce_scatter_to_sp: the sequence dim (seq_dim=0) of shape (5, 2) has size 5")
+        assert msgs[0].startswith("reduce_scatter_to_sp: the sequence dim seq_dim=0 of shape (5, 2) (5) is not")
         assert "t=2" in msgs[0] and "1 for batch-first [b, s, h]" in msgs[0]
-        assert msgs[1].startswith("scatter_to_sp: the sequence dim (seq_dim=1) of shape (2, 5)")
-        assert msgs[2].startswith("split_to_tp: the last (feature) dim of shape (2, 3)") and "t=2" in msgs[2]
-        assert msgs[3].startswith("gather_from_sp: seq_dim=4 is out of range") and "(2, 3)" in msgs[3]
+        assert msgs[1].startswith("scatter_to_sp: the sequence dim seq_dim=1 of shape (2, 5) (5)")
+        assert msgs[2].startswith("split_to_tp: the last (feature) dim of shape (2, 3) (3)") and "t=2" in msgs[2]
+        assert msgs[3].startswith("gather_from_sp: seq_dim: dim 4 is out of range") and "(2, 3)" in msgs[3]

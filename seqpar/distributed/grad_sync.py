@@ -99,8 +99,9 @@ def install_sp_grad_hooks(model: nn.Module, tp_group: ProcessGroup | None) -> li
     """Drop-in variant: all-reduce each SP-replicated parameter's incoming gradient over TP
     inside backward (a tensor hook, before accumulation into ``.grad``), so no explicit call is
     needed and gradient accumulation over micro-batches stays correct. Returns the hook handles
-    (``.remove()`` them to uninstall). Installing twice on the same parameters raises, and so
-    does :func:`sync_sp_replicated_grads` while the hooks are installed."""
+    (``.remove()`` them to uninstall). Frozen parameters (``requires_grad=False``) get none.
+    Installing twice on the same parameters raises, and so does :func:`sync_sp_replicated_grads`
+    while the hooks are installed."""
     if group_size(tp_group) == 1:
         return []
     _refuse_double_sum(model, "install_sp_grad_hooks")
@@ -112,6 +113,8 @@ def install_sp_grad_hooks(model: nn.Module, tp_group: ProcessGroup | None) -> li
 
     handles = []
     for _, module, own, p in _sp_replicated_own(model):
+        if not p.requires_grad:  # frozen: no gradient to sum (unfrozen later, it needs a fresh install)
+            continue
         module.__dict__.setdefault(HOOKED, {})[own] = id(p)  # a plain attribute, like the layout marks
         handles.append(GradHookHandle(p.register_hook(hook), module, own))
     return handles

@@ -144,16 +144,16 @@ def _check_dim(x: torch.Tensor, dim: int, t: int, op: str) -> None:
     """Raise ``ValueError`` before any collective unless ``x`` has sequence dim ``dim`` divisible by ``t``."""
     layouts = "seq_dim is 0 for sequence-first [s, b, h] tensors, 1 for batch-first [b, s, h]"
     if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"{op}: seq_dim={dim} is out of range for a tensor of shape {tuple(x.shape)} ({layouts})")
+        raise ValueError(f"{op}: seq_dim: dim {dim} is out of range for a tensor of shape {tuple(x.shape)} ({layouts})")
     if x.shape[dim] % t:
-        raise ValueError(f"{op}: the sequence dim (seq_dim={dim}) of shape {tuple(x.shape)} has size {x.shape[dim]}, "
-                         f"not divisible by the tensor-parallel size t={t} ({layouts})")
+        raise ValueError(f"{op}: the sequence dim seq_dim={dim} of shape {tuple(x.shape)} ({x.shape[dim]}) is not "
+                         f"divisible by the tensor-parallel size t={t} ({layouts})")
 
 
 def _check_features(x: torch.Tensor, t: int, op: str) -> None:
     if x.dim() == 0 or x.shape[-1] % t:
-        raise ValueError(f"{op}: the last (feature) dim of shape {tuple(x.shape)} is not divisible by the "
-                         f"tensor-parallel size t={t}")
+        raise ValueError(f"{op}: the last (feature) dim of shape {tuple(x.shape)} "
+                         f"({x.shape[-1] if x.dim() else 0}) is not divisible by the tensor-parallel size t={t}")
 
 
 def copy_to_tp(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:

@@ -1,16 +1,25 @@
 """Tensor + sequence parallelism and selective recomputation for models seqpar did not build.
 
-    tensor_parallel.py  Plan, Style and ``parallelize`` (published as ``seqpar.parallelize``):
-                        swap a model's modules for seqpar layers by a declarative plan;
-                        ``dense_state_dict`` gathers the original layout back
+    spec.py             Plan and Style (what to do), Parallelized (what was done: ``model.seqpar``)
+    tensor_parallel.py  ``parallelize`` (published as ``seqpar.parallelize``): swap a model's
+                        modules for seqpar layers by a declarative plan
+    modes.py            sequence parallelism on / off on a parallelized model (``set_sequence_parallel``),
+                        region and gradient hooks; ``check_groups`` for hand-converted layers
+    state_dict.py       ``dense_state_dict`` / ``load_dense_state_dict``: the original layout, gathered
+    pretrained.py       ``save_pretrained`` / ``load_pretrained`` for Hugging Face models
+    wrappers.py         ``unwrap``: the model inside ``torch.compile`` / DDP wrappers
     plans.py            ready plans for HF GPT-2 and Llama (published as ``seqpar.plans``)
     attention.py        ``checkpoint_attention``: RNG-exact recompute of HF attention cores
     interop_gpt2.py     HF GPT-2 <-> seqpar's GPT weights (published as ``seqpar.interop.gpt2``)
 
-Import ``Plan``, ``Style``, ``Parallelized``, ``dense_state_dict`` and ``checkpoint_attention``
-from here, and ``parallelize``, the plans and the GPT-2 conversion from their published paths.
+Import everything but ``parallelize`` and the ready plans from here.
 """
 from .attention import checkpoint_attention
-from .tensor_parallel import Parallelized, Plan, Style, dense_state_dict
+from .modes import check_groups, set_sequence_parallel
+from .pretrained import load_pretrained, save_pretrained
+from .spec import Parallelized, Plan, Style
+from .state_dict import dense_state_dict, load_dense_state_dict
+from .wrappers import unwrap
 
-__all__ = ["Parallelized", "Plan", "Style", "checkpoint_attention", "dense_state_dict"]
+__all__ = ["Parallelized", "Plan", "Style", "check_groups", "checkpoint_attention", "dense_state_dict",
+           "load_dense_state_dict", "load_pretrained", "save_pretrained", "set_sequence_parallel", "unwrap"]

@@ -22,6 +22,7 @@ import torch.nn as nn
 from ..distributed.rng import RNGStreams
 from ..model import GPT
 from ..recompute import checkpoint
+from .wrappers import unwrap
 
 PREFIX = "seqpar_selective"
 IMPLS = ("eager", "sdpa")
@@ -42,11 +43,26 @@ def _base_attention(module: nn.Module, impl: str) -> Callable:
     return ALL_ATTENTION_FUNCTIONS[impl]
 
 
+def _check_lengths(module: nn.Module, query: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """q ``[b, heads, q_len, d]`` may be shorter than k (a KV cache), never longer; a mask covers
+    exactly q's positions. Anything else means q, k or the mask came through different sequence
+    shards (layers built over another group than the one their input was split over)."""
+    q_len, k_len = query.shape[-2], key.shape[-2]
+    mask_q = mask.shape[-2] if isinstance(mask, torch.Tensor) and mask.dim() == 4 else q_len
+    if q_len > k_len or mask_q not in (1, q_len):
+        raise ValueError(f"checkpoint_attention: {type(module).__name__} got query {tuple(query.shape)}, key "
+                         f"{tuple(key.shape)} and mask {None if mask is None else tuple(mask.shape)}: their "
+                         f"sequence lengths disagree, so one of them holds a sequence shard; check that every "
+                         f"seqpar layer uses the TP group the hidden states were split over "
+                         f"(seqpar.dropin.check_groups(model, mesh))")
+
+
 def _selective(impl: str) -> Callable:
     """The recomputing wrapper of implementation ``impl``; dropout draws from the calling
     module's streams (``STREAMS_ATTR``), or torch's default generator where there are none."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
+        _check_lengths(module, query, key, attention_mask)
         base = _base_attention(module, impl)
         streams: RNGStreams | None = getattr(module, STREAMS_ATTR, None)
 
@@ -90,9 +106,10 @@ def checkpoint_attention(model: nn.Module, *, streams: RNGStreams | None = None)
     default generator. Calling it again on the same model only replaces the streams. Attention
     weights are no longer returned (``output_attentions`` yields ``None``).
     """
+    outer, model = model, unwrap(model)  # the module inside torch.compile / DDP wrappers
     if isinstance(model, GPT):
         model.set_recompute("selective")
-        return model
+        return outer
     impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
     if not hasattr(model, "set_attn_implementation") or impl is None:
         raise ValueError(f"checkpoint_attention: {type(model).__name__} is neither seqpar's GPT nor a transformers "
@@ -104,9 +121,9 @@ def checkpoint_attention(model: nn.Module, *, streams: RNGStreams | None = None)
     for module in model.modules():  # the attention modules among them read it when called
         setattr(module, STREAMS_ATTR, streams)
     if impl != base:
-        return model
+        return outer
     model.set_attn_implementation(_registered(base))
-    return model
+    return outer
 
 
 __all__ = ["checkpoint_attention"]

@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 from ..model.config import DTYPES, GPTConfig
+from .wrappers import unwrap
 
 # seqpar dense name -> (GPT-2 name, transposed); {i} is the layer index
 _LAYER = {
@@ -38,14 +39,20 @@ def _names(layers: int, tied: bool) -> dict[str, tuple[str, bool]]:
 
 
 def from_hf(hf_model: nn.Module, **overrides) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """``(GPTConfig, dense_state_dict)`` of a ``transformers`` GPT-2 model. ``overrides`` set other
+    """``(GPTConfig, dense_state_dict)`` of a ``transformers`` GPT-2 model (compiled or DDP-wrapped
+    ones too). The whole architecture is carried: sizes, positions, dropouts, LayerNorm eps,
+    activation, tying, init std and dtype; a GPT-2 option seqpar's GPT cannot express raises
+    ``ValueError``. ``overrides`` set other
     :class:`GPTConfig` fields (``sequence_parallel``, ``recompute``, ...). Load the result with
     ``GPT(config, mesh).load_dense_state_dict(state)`` at any TP size that divides the vocabulary
     (50257 for the released checkpoints: divisible by no t > 1), heads and widths."""
+    hf_model = unwrap(hf_model)  # keys without torch.compile's / DDP's prefixes
     c = hf_model.config
     unsupported = [n for n in ("add_cross_attention", "scale_attn_by_inverse_layer_idx") if getattr(c, n, False)]
     if not getattr(c, "scale_attn_weights", True):
         unsupported.append("scale_attn_weights=False")
+    if c.embd_pdrop != c.resid_pdrop:  # seqpar's GPT has one dropout for both
+        unsupported.append(f"embd_pdrop={c.embd_pdrop} != resid_pdrop={c.resid_pdrop}")
     if c.activation_function not in _ACT:
         unsupported.append(f"activation_function={c.activation_function!r}")
     if unsupported:

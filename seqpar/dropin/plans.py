@@ -35,6 +35,7 @@ def gpt2() -> Plan:
         divisible=("n_head",),
         sp_start="transformer.h.0",
         sp_end="transformer.ln_f",
+        seq_dim=1,  # hidden states [b, s, h]
     )
 
 
@@ -69,6 +70,7 @@ def llama() -> Plan:
         divisible=("num_attention_heads", "num_key_value_heads"),
         sp_start="model.layers.0",
         sp_end="model.norm",
+        seq_dim=1,  # hidden states [b, s, h]
     )
 
 

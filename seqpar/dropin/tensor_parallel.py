@@ -4,9 +4,10 @@
 rank, before any collective) -> swap the named ``nn.Linear`` / ``nn.Embedding`` / GPT-2 ``Conv1D``
 modules for seqpar layers holding this rank's slice of the original weights -> re-tie shared
 weights -> tag norm parameters SP-replicated and hook their TP gradient reduction -> divide
-per-rank head counts -> hook the sequence-parallel region's entry and exit.
+per-rank head counts -> hook the sequence-parallel region's entry and exit (:mod:`.modes`).
 
-Batch-first models (``[b, s, h]``) shard the sequence along dim 1. Under SP the region between
+``Plan.seq_dim`` names the sequence dim of the hidden states (1 for batch-first ``[b, s, h]``
+models such as Hugging Face's). Under SP the region between
 ``Plan.sp_start``'s input and ``Plan.sp_end``'s output holds ``[b, s/t, h]`` shards: norms,
 dropouts and residual adds there touch ``1/t`` of the tokens. Column layers all-gather the
 sequence (the paper's g) and row layers reduce-scatter it back (g-bar) inside their matmuls, or
@@ -17,68 +18,17 @@ sequences, so a model's own bookkeeping of positions and mask shapes keeps worki
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Callable, Literal, get_args
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ..distributed.collectives import ProcessGroup, check_group, group_size
-from ..distributed.grad_sync import install_sp_grad_hooks, mark_sp_replicated
 from ..distributed.mesh import ParallelMesh
-from ..distributed.regions import copy_to_tp, gather_from_sp, gather_to_replicated, scatter_to_sp
-from .. import sharding
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, skip_init
-
-Kind = Literal["column", "row", "vocab", "sequence", "enter_tp"]
-KINDS: tuple[str, ...] = get_args(Kind)
-SPLIT = ("column", "row", "vocab")  # the kinds that swap a module for a seqpar layer
-
-
-@dataclass(frozen=True)
-class Style:
-    """How one module is parallelised.
-
-    ``column``: output features split over TP (``[b, s/t, in]`` SP shard or ``[b, s, in]`` in,
-    ``[b, s, out/t]`` out). ``row``: input features split; output all-reduced, or reduce-scattered
-    to ``[b, s/t, out]`` under SP. ``vocab``: an ``nn.Embedding`` split by vocabulary rows (output
-    all-reduced to ``[b, s, h]``), or an output head split by vocabulary whose logits are
-    all-gathered to ``[b, s, v]`` for the model's own loss. ``sequence``: runs on sequence shards
-    under SP (norms): its parameters are SP-replicated, gradients summed over TP in backward.
-    ``enter_tp``: a module that needs its full-sequence input (one that reshapes by its input's
-    shape, like Llama's attention): its hidden states are all-gathered once on entry (g; f without
-    SP) and the column layers inside skip their own input communication, so their partial input
-    gradients are summed by a single reduce-scatter (all-reduce). Costs the full ``[b, s, h]``
-    input kept for the weight gradients instead of the shard.
-    """
-
-    kind: Kind
-    chunks: int = 1  # column only: the output is `chunks` equal blocks split separately (fused [q; k; v]: 3)
-
-
-@dataclass(frozen=True, eq=False)
-class Plan:
-    """Which modules become what. Patterns are dotted module names where ``*`` matches one name
-    component (``transformer.h.*.attn.c_attn``); every pattern must match at least one module."""
-
-    layers: dict[str, str | Style]
-    heads: dict[str, tuple[str, ...]] = field(default_factory=dict)  # int attributes divided by t where present
-    divisible: tuple[str, ...] = ()  # model.config attributes t must divide (head counts)
-    sp_start: str | None = None      # its input hidden states are scattered into sequence shards
-    sp_end: str | None = None        # its output is all-gathered back to full sequences
-    seq_dim: int = 1                 # sequence dim of hidden states (1: batch-first)
-
-
-@dataclass
-class Parallelized:
-    """What :func:`parallelize` did, kept on the model as ``model.seqpar`` (for :func:`dense_state_dict`)."""
-
-    tp_group: ProcessGroup | None
-    tp_size: int
-    sequence_parallel: bool
-    swapped: dict[str, tuple[Style, bool]]  # module name -> (style, was a transposed Conv1D)
-    handles: list = field(default_factory=list)
+from .modes import check_groups, check_sp_plan, install_mode
+from .spec import KINDS, SPLIT, Parallelized, Plan, Style
+from .wrappers import _is_fsdp, unwrap
 
 
 def _is_conv1d(m: nn.Module) -> bool:
@@ -171,11 +121,7 @@ def _check(model: nn.Module, plan: Plan, t: int, sp: bool) -> dict[str, Style]:
         v = getattr(config, a, None)
         if isinstance(v, int) and v % t:
             errors.append(f"config.{a} = {v} not divisible by t={t}")
-    for role in ("sp_start", "sp_end") if sp else ():
-        p = getattr(plan, role)
-        if p is None or len(_matches(model, p)) != 1:
-            errors.append(f"sequence_parallel=True needs plan.{role} naming exactly one module of {where} "
-                          f"(a boundary of the sequence-sharded region), got {p!r}")
+    errors += check_sp_plan(model, plan) if sp else []
     if errors:
         raise ValueError("parallelize: " + "; ".join(errors))
     return resolved
@@ -190,12 +136,18 @@ class _GatheredColumn(ColumnParallelLinear):
         self._check_input(x, self.in_features)
         return F.linear(x, self.weight, self.bias)  # [b, s, in] -> [b, s, out/t]
 
+    def _get_name(self) -> str:  # printed as what it is to the user: a column-parallel layer
+        return "ColumnParallelLinear"
 
-def _build(m: nn.Module, style: Style, group: ProcessGroup | None, sp: bool, seq_dim: int,
-           entered: bool) -> nn.Module:
-    """The seqpar layer holding this rank's slice of ``m``'s weights."""
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", input gathered on entry to the enclosing enter_tp module"
+
+
+def _build(m: nn.Module, style: Style, group: ProcessGroup | None, entered: bool) -> nn.Module:
+    """The seqpar layer holding this rank's slice of ``m``'s weights (its sequence-parallel mode
+    and ``seq_dim`` are set afterwards, by :func:`~seqpar.dropin.modes.install_mode`)."""
     if isinstance(m, nn.Embedding):
-        new = VocabParallelEmbedding.from_dense(m, tp_group=group, sequence_parallel=False, seq_dim=seq_dim)
+        new = VocabParallelEmbedding.from_dense(m, tp_group=group, sequence_parallel=False)
         if m.padding_idx is not None:  # padding rows get no gradient from the lookup, as in nn.Embedding
             pad = m.padding_idx % m.num_embeddings
             new.register_forward_hook(lambda mod, args, out: torch.where((args[0] == pad).unsqueeze(-1),
@@ -203,49 +155,52 @@ def _build(m: nn.Module, style: Style, group: ProcessGroup | None, sp: bool, seq
         return new
     w, b = _linear_dense(m)
     out_f, in_f = w.shape
-    kw = dict(bias=b is not None, tp_group=group, dtype=w.dtype, device=w.device, init_method=skip_init,
-              seq_dim=seq_dim)
+    kw = dict(bias=b is not None, tp_group=group, dtype=w.dtype, device=w.device, init_method=skip_init)
     if style.kind == "row":
-        new = RowParallelLinear(in_f, out_f, sequence_parallel=sp, **kw)
-        new.load_dense(w, b)
-        return new
-    if entered and style.kind == "column":
+        new = RowParallelLinear(in_f, out_f, **kw)
+    elif entered and style.kind == "column":
         new = _GatheredColumn(in_f, out_f, chunks=style.chunks, **kw)
     else:
-        new = ColumnParallelLinear(in_f, out_f, sequence_parallel=sp and style.kind == "column",
-                                   gather_output=style.kind == "vocab", chunks=style.chunks, **kw)
+        new = ColumnParallelLinear(in_f, out_f, gather_output=style.kind == "vocab", chunks=style.chunks, **kw)
     new.load_dense(w, b)  # the layer's layout puts each rank's part of every chunk together
     return new
 
 
-def _on_input(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    """Forward pre-hook applying ``fn`` to a module's hidden states (first positional argument
-    or ``hidden_states=``)."""
-    def hook(module, args, kwargs):
-        if args:
-            return (fn(args[0]), *args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
-    return hook
+def _refuse_wrapped(model: nn.Module) -> None:
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, DataParallel)) or _is_fsdp(model):
+        raise ValueError(f"parallelize: the model is wrapped in {type(model).__name__}, which holds the parameters "
+                         f"parallelize replaces; parallelize first, then wrap (TP, recompute, compile, data parallel)")
+    if getattr(model, "seqpar", None) is not None:
+        raise ValueError("parallelize: this model has already been parallelized")
 
 
+def _swap(model: nn.Module, resolved: dict[str, Style], group: ProcessGroup | None) -> dict[str, tuple[Style, bool]]:
+    """Replace every split module by its seqpar layer; keep ``requires_grad`` and weight ties."""
+    entries = _entries(resolved)
+    swapped: dict[str, tuple[Style, bool]] = {}
+    ties: dict[int, nn.Parameter] = {}  # original weight -> its first replacement
+    for name, style in resolved.items():
+        if style.kind not in SPLIT:
+            continue
+        m = model.get_submodule(name)
+        new = _build(m, style, group, _entered(name, entries))
+        for p_new, p_old in zip(new.parameters(), m.parameters()):
+            p_new.requires_grad_(p_old.requires_grad)  # frozen weights stay frozen
+        if id(m.weight) in ties:  # re-tie what the original modules shared (embedding <-> LM head)
+            new.weight = ties[id(m.weight)]
+        ties.setdefault(id(m.weight), new.weight)
+        parent, _, leaf = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, new)
+        swapped[name] = (style, _is_conv1d(m))
+    return swapped
 
 
-def _hooks(model: nn.Module, plan: Plan, entries: list[str], group: ProcessGroup | None, sp: bool) -> list:
-    """Region boundaries: SP entry (scatter) and exit (gather), and every ``enter_tp`` entry."""
-    dim, handles = plan.seq_dim, []
-    if sp:
-        handles.append(model.get_submodule(plan.sp_start).register_forward_pre_hook(
-            _on_input(lambda x: scatter_to_sp(x, group, dim)), with_kwargs=True))  # [b, s, h] -> [b, s/t, h]
-
-        def leave(module, args, out):  # [b, s/t, h] -> [b, s, h]
-            if isinstance(out, tuple):
-                return (gather_to_replicated(out[0], group, dim), *out[1:])
-            return gather_to_replicated(out, group, dim)
-        handles.append(model.get_submodule(plan.sp_end).register_forward_hook(leave))
-    enter = (lambda x: gather_from_sp(x, group, dim)) if sp else (lambda x: copy_to_tp(x, group))  # g or f
-    for name in entries:
-        handles.append(model.get_submodule(name).register_forward_pre_hook(_on_input(enter), with_kwargs=True))
-    return handles
+def _refuse_save_pretrained(*args, **kwargs):
+    raise ValueError("save_pretrained on a model parallelized by seqpar would write this rank's shards of the "
+                     "weights; call seqpar.dropin.save_pretrained(model, path) on every rank instead (it gathers "
+                     "the full weights and writes them, with the config, from rank 0)")
 
 
 def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style], mesh: ParallelMesh | None, *,
@@ -255,64 +210,35 @@ def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style], mesh: Par
     With no mesh (or ``t == 1``) the modules are still swapped (plain single-rank layers) and no
     hooks are installed, so the same code runs unparallelised. A plan naming missing modules, a
     wrong module type or a size ``t`` does not divide raises ``ValueError`` before anything changes.
-    Dropout in the model keeps drawing from torch's default generator (seed every rank alike).
+    Frozen parameters stay frozen, buffers stay as they are. Dropout in the model keeps drawing
+    from torch's default generator (seed every rank alike). A ``torch.compile``d model is
+    parallelized inside its wrapper; DDP / FSDP must come after parallelize. The model's own
+    ``save_pretrained`` (Hugging Face) is replaced by an error pointing to
+    :func:`seqpar.dropin.save_pretrained`, which gathers the weights first.
     """
     plan = plan if isinstance(plan, Plan) else Plan(layers=dict(plan))
+    _refuse_wrapped(model)
+    inner = unwrap(model)
+    _refuse_wrapped(inner)
     group = None if mesh is None else mesh.tp_group
     check_group(group, "parallelize")
     t = group_size(group)
     sp = bool(sequence_parallel) and t > 1
-    if getattr(model, "seqpar", None) is not None:
-        raise ValueError("parallelize: this model has already been parallelized")
-    resolved = _check(model, plan, t, sp)
-    entries = _entries(resolved)
-
-    swapped: dict[str, tuple[Style, bool]] = {}
-    ties: dict[int, nn.Parameter] = {}  # original weight -> its first replacement
-    for name, style in resolved.items():
-        m = model.get_submodule(name)
-        if style.kind == "sequence" and sp and any(True for _ in m.parameters(recurse=False)):
-            mark_sp_replicated(m)
-        if style.kind not in SPLIT:
-            continue
-        new = _build(m, style, group, sp, plan.seq_dim, _entered(name, entries))
-        for p_new, p_old in zip(new.parameters(), m.parameters()):
-            p_new.requires_grad_(p_old.requires_grad)
-        if id(m.weight) in ties:  # re-tie what the original modules shared (embedding <-> LM head)
-            new.weight = ties[id(m.weight)]
-        ties.setdefault(id(m.weight), new.weight)
-        parent, _, leaf = name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, new)
-        swapped[name] = (style, _is_conv1d(m))
+    resolved = _check(inner, plan, t, sp)
+    check_groups(inner, mesh)  # seqpar layers the model already holds must use the same TP group
+    swapped = _swap(inner, resolved, group)
     for pattern, attrs in plan.heads.items():
-        for name in _matches(model, pattern):
-            m = model.get_submodule(name)
+        for name in _matches(inner, pattern):
+            m = inner.get_submodule(name)
             for a in attrs:
                 if isinstance(getattr(m, a, None), int):
                     setattr(m, a, getattr(m, a) // t)  # this rank's heads / width
-    state = Parallelized(group, t, sp, swapped)
-    state.handles = install_sp_grad_hooks(model, group) + (_hooks(model, plan, entries, group, sp) if t > 1 else [])
-    model.seqpar = state
+    state = Parallelized(group, t, sp, swapped, plan=plan, resolved=resolved)
+    install_mode(inner, state)
+    inner.seqpar = state
+    if hasattr(inner, "save_pretrained"):
+        inner.save_pretrained = _refuse_save_pretrained  # an instance attribute; the class is untouched
     return model
 
 
-def dense_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The parallelized model's full state dict in the original module layout (Conv1D transposed
-    back, fused blocks in their original order), loadable into the unparallelized model.
-    A collective: call on every TP rank."""
-    state: Parallelized | None = getattr(model, "seqpar", None)
-    if state is None:
-        raise ValueError("dense_state_dict: the model was not parallelized by seqpar.parallelize")
-    params = dict(model.named_parameters())
-    dense = sharding.to_dense(model, params, state.tp_group)  # every layout as its layer declares it
-    by_id = {id(p): dense[n] for n, p in params.items()}
-    out = {k: by_id[id(v)] if id(v) in by_id else v.detach().clone()
-           for k, v in model.state_dict(keep_vars=True).items()}
-    for name, (_, conv) in state.swapped.items():
-        if conv:  # GPT-2's Conv1D stores [in, out]
-            key = f"{name}.weight" if name else "weight"
-            out[key] = out[key].t().contiguous()
-    return out
-
-
-__all__ = ["Style", "Plan", "Parallelized", "parallelize", "dense_state_dict"]
+__all__ = ["Style", "Plan", "Parallelized", "parallelize"]

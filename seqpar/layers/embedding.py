@@ -16,7 +16,9 @@ class VocabParallelEmbedding(nn.Module):
 
     Input ids ``[s, b]`` (identical on all TP ranks). Ids owned by other ranks look up zeros
     here; the partial results are summed over TP: all-reduced to ``[s, b, h]`` (plain TP) or
-    reduce-scattered straight into sequence shards ``[s/t, b, h]`` (SP).
+    reduce-scattered straight into sequence shards ``[s/t, b, h]`` (SP). ``seq_dim`` is the
+    sequence dim of the ids (and of the SP output): 0 for sequence-first ``[s, b]`` (the default),
+    1 for batch-first ``[b, s]``.
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_group: ProcessGroup | None = None,
@@ -40,13 +42,11 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"VocabParallelEmbedding: ids must be int64/int32, got {ids.dtype}")
-        if self.sequence_parallel and self.tp_size > 1:
-            seq = ids.shape[self.seq_dim]
-            check_divisible(seq, self.tp_size, f"VocabParallelEmbedding: sequence length (dim {self.seq_dim} of ids "
-                                               f"{tuple(ids.shape)})")
-        if ids.device.type == "cpu" and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
-            raise ValueError(f"VocabParallelEmbedding: ids must lie in [0, {self.num_embeddings}), "
-                             f"got min {int(ids.min())} max {int(ids.max())}")
+        if self.sequence_parallel and self.tp_size > 1 and ids.shape[self.seq_dim] % self.tp_size:
+            raise ValueError(f"VocabParallelEmbedding: the sequence dim seq_dim={self.seq_dim} of ids "
+                             f"{tuple(ids.shape)} ({ids.shape[self.seq_dim]}) is not divisible by the "
+                             f"tensor-parallel size t={self.tp_size}")
+        self._check_range(ids)
         if self.tp_size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_start + self.num_local)
@@ -55,6 +55,17 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel:
             return reduce_scatter_to_sp(partial, self.tp_group, self.seq_dim)  # -> [s/t, b, h]
         return reduce_from_tp(partial, self.tp_group)
+
+    def _check_range(self, ids: torch.Tensor) -> None:
+        """Ids outside the vocabulary would look up zeros on every rank (a silently wrong result).
+        Eager on CPU: a ``ValueError`` with the range found. Under ``torch.compile`` or on a GPU: a
+        device-side assertion, which needs no host sync and breaks no graph."""
+        if torch.compiler.is_compiling() or ids.device.type != "cpu":
+            torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
+                                f"VocabParallelEmbedding: ids must lie in [0, {self.num_embeddings})")
+        elif ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise ValueError(f"VocabParallelEmbedding: ids must lie in [0, {self.num_embeddings}), "
+                             f"got min {int(ids.min())} max {int(ids.max())}")
 
     def load_dense(self, weight: torch.Tensor) -> None:
         if tuple(weight.shape) != (self.num_embeddings, self.embedding_dim):
@@ -77,4 +88,5 @@ class VocabParallelEmbedding(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_embeddings={self.num_embeddings}, embedding_dim={self.embedding_dim}, "
                 f"local_rows=[{self.vocab_start}, {self.vocab_start + self.num_local}), tp_rank={self.tp_rank}, "
-                f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}")
+                f"tp_size={self.tp_size}, sequence_parallel={self.sequence_parallel}"
+                + (f", seq_dim={self.seq_dim}" if self.sequence_parallel else ""))

@@ -1,6 +1,10 @@
 """Column- and row-parallel linear layers (Megatron-style TP), with sequence parallelism as a mode.
 
-Shapes are sequence-first by default. With ``t`` ranks in ``tp_group``:
+Shapes are sequence-first by default: ``seq_dim=0``, seqpar's convention, where a sequence shard
+is a contiguous dim-0 slice. Batch-first models (``[b, s, h]``, e.g. Hugging Face ones) pass
+``seq_dim=1`` (``seqpar.parallelize`` does so through the plan's ``seq_dim``); left at 0 on
+batch-first input, sequence parallelism would split the batch instead of the sequence. With ``t``
+ranks in ``tp_group``:
 
 * ``ColumnParallelLinear``: weight ``[out/t, in]``. Input ``[s, b, in]`` replicated (plain TP)
   or ``[s/t, b, in]`` sequence shard (SP); output ``[s, b, out/t]``.
@@ -74,10 +78,11 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         group, sp, seq_dim = ctx.group, ctx.sp, ctx.seq_dim
         device_type, ac_enabled, ac_dtype = ctx.autocast
+        overlap = not torch.compiler.is_compiling()  # compiled graphs take no async work handles
         with torch.autocast(device_type=device_type, dtype=ac_dtype, enabled=ac_enabled):
             gather = None
             if sp:
-                total, gather = _gather_seq(x, group, seq_dim, True)  # overlaps the matmul below
+                total, gather = _gather_seq(x, group, seq_dim, overlap)  # overlaps the matmul below
             else:
                 total = x
             grad_input = comm = None
@@ -87,9 +92,9 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
                 gather.wait()
             if grad_input is not None:
                 if sp:
-                    grad_input, comm = _reduce_scatter_seq(grad_input, group, seq_dim, True)
+                    grad_input, comm = _reduce_scatter_seq(grad_input, group, seq_dim, overlap)
                 else:
-                    comm = all_reduce(grad_input, group, async_op=True)
+                    comm = all_reduce(grad_input, group, async_op=overlap)
             go = grad_out.reshape(-1, grad_out.shape[-1])
             grad_weight = go.t().matmul(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
             grad_bias = go.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
@@ -136,9 +141,9 @@ class _ParallelLinearBase(nn.Module):
         if x.shape[-1] != expected_last:
             raise ValueError(f"{type(self).__name__}: input's last dim is {x.shape[-1]} but the layer expects "
                              f"{expected_last} (input shape {tuple(x.shape)})")
-        if x.dim() < 2 and self.sequence_parallel:
-            raise ValueError(f"{type(self).__name__}: sequence parallelism needs a sequence dim; "
-                             f"got input shape {tuple(x.shape)}")
+        if self.sequence_parallel and (x.dim() < 2 or not -x.dim() <= self.seq_dim < x.dim()):
+            raise ValueError(f"{type(self).__name__}: sequence parallelism needs a sequence dim (seq_dim="
+                             f"{self.seq_dim}); got input shape {tuple(x.shape)}")
 
     def load_dense(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         """Copy this rank's part of the full ``weight [out, in]`` (and ``bias [out]``) in."""
@@ -161,7 +166,8 @@ class _ParallelLinearBase(nn.Module):
         w = self.weight
         return (f"in_features={self.in_features}, out_features={self.out_features}, local_weight={tuple(w.shape)}, "
                 f"bias={self.bias is not None}, tp_rank={self.tp_rank}, tp_size={self.tp_size}, "
-                f"sequence_parallel={self.sequence_parallel}")
+                f"sequence_parallel={self.sequence_parallel}"
+                + (f", seq_dim={self.seq_dim}" if self.sequence_parallel else ""))
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, tp_group: ProcessGroup | None, sequence_parallel: bool = False, **kw):
