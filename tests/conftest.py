@@ -7,6 +7,31 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
 
+# Import names of the packages in pyproject's `test` extra (tests/test_ci_extras.py keeps the two in
+# step). Under CI=true a test that `pytest.importorskip`s one of them fails instead of skipping.
+TEST_EXTRA_MODULES = ("hypothesis", "transformers", "megatron.core", "matplotlib")
+
+
+def _fail_if_test_extra_missing(report) -> None:
+    if not report.skipped or os.environ.get("CI", "").lower() not in ("true", "1"):
+        return
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    if any(f"could not import '{name}'" in reason for name in TEST_EXTRA_MODULES):
+        report.outcome = "failed"
+        report.longrepr = f"{reason}\nCI=true: the `test` extra must be installed (pip install -e .[test])"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_if_test_extra_missing(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_if_test_extra_missing(outcome.get_result())
+
 
 @pytest.fixture
 def spawn(tmp_path):

@@ -205,3 +205,37 @@ def test_fit_evaluates_samples_logs_and_checkpoints_its_tokenizer(spawn, tmp_pat
     assert main(["generate", str(tmp_path / "text" / "ckpt"), "--prompt", "def ", "--tokens", "6", "--seed", "1"]) == 0
     text = capsys.readouterr().out
     assert text.startswith("def ") and len(corpus.encode(text)) > len(corpus.encode("def "))
+
+
+# ---- a long corpus build on one rank does not time out the others --------------------------------
+
+BUILD_S, COLLECTIVE_TIMEOUT_S = 8.0, 3.0
+
+
+def _slow_corpus_build(rank, world, overrides):
+    import time
+
+    from seqpar.train import corpus_cache
+    train_tokenizer = corpus_cache._train_tokenizer
+
+    def slow(*args, **kwargs):  # stands for hours of tokenizing a large corpus
+        time.sleep(BUILD_S)
+        return train_tokenizer(*args, **kwargs)
+
+    corpus_cache._train_tokenizer = slow
+    trainer = Trainer(load_run_config(None, overrides), mesh=init_parallel(tp=2))
+    try:
+        return trainer.agree(torch.tensor(1.0, dtype=torch.float64), stop=False)  # a collective after it
+    finally:
+        trainer.close()
+
+
+def test_a_long_corpus_build_does_not_time_out_the_other_ranks(tmp_path):
+    """The process group's timeout (here 3 s, run_local called directly to set it) is shorter than
+    the build (8 s): the waiting rank waits on the cache's file lock, not in a collective."""
+    from seqpar.distributed.local import run_local
+    _text_corpus(tmp_path / "text", WORDS)
+    overrides = _text_overrides(tmp_path, tmp_path / "text", tmp_path / "runs")
+    results = run_local(_slow_corpus_build, 2, overrides, timeout=300, collective_timeout=COLLECTIVE_TIMEOUT_S,
+                        tmp_dir=tmp_path)
+    assert results == [(1.0, False, True)] * 2
