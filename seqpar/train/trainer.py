@@ -347,7 +347,7 @@ class Trainer:
 
     def fit(self) -> dict:
         """Resume if configured, train to ``train.steps`` (or a SIGTERM), then print a sample when
-        the corpus has a tokenizer. Returns ``{"steps", "losses", "eval", "checkpoint"}``."""
+        the corpus has a tokenizer. Returns ``{"steps", "losses", "eval", "checkpoint", "skipped"}``."""
         stopped = False
         try:
             self.resume()
@@ -379,5 +379,6 @@ class Trainer:
 
 
 def train(cfg: RunConfig, *, mesh: ParallelMesh | None = None) -> dict:
-    """Run training as configured; returns ``{"steps", "losses", "eval", "checkpoint"}`` on every rank."""
+    """Run training as configured; returns ``{"steps", "losses", "eval", "checkpoint", "skipped"}`` on
+    every rank."""
     return Trainer(cfg, mesh=mesh).fit()
