@@ -30,13 +30,12 @@ def train(model: torch.nn.Module, ids: torch.Tensor) -> list[float]:
     return losses
 
 
-def main() -> None:
-    mesh = seqpar.init_parallel(tp=int(os.environ.get("WORLD_SIZE", "1")))  # all ranks in one TP group
+def run(mesh: seqpar.ParallelMesh) -> dict:
     torch.manual_seed(0)  # the same weights and batch on every rank
     config = GPT2Config(vocab_size=512, n_positions=SEQ, n_embd=64, n_layer=2, n_head=4, bos_token_id=0,
                         eos_token_id=0, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="eager")
-    reference = GPT2LMHeadModel(config)
-    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    reference = GPT2LMHeadModel(config).to(mesh.device)
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ)).to(mesh.device)
 
     model = seqpar.parallelize(copy.deepcopy(reference), seqpar.plans.gpt2(), mesh, sequence_parallel=True)
     checkpoint_attention(model)  # backward recomputes only QK^T, softmax, dropout, attention over V
@@ -44,7 +43,7 @@ def main() -> None:
     losses, ref_losses = train(model, ids), train(reference, ids)
     with torch.no_grad():
         final = model(input_ids=ids, labels=ids, use_cache=False).loss.item()
-        saved = GPT2LMHeadModel(config)  # a plain, unparallelized model from the gathered weights
+        saved = GPT2LMHeadModel(config).to(mesh.device)  # a plain, unparallelized model from the gathered weights
         saved.load_state_dict(dense_state_dict(model))  # dense_state_dict is a collective: every rank calls it
         reloaded = saved(input_ids=ids, labels=ids, use_cache=False).loss.item()
     if mesh.is_first:
@@ -54,6 +53,12 @@ def main() -> None:
             print(f"step {step}: seqpar loss {a:.6f}   unparallelized loss {b:.6f}")
         print(f"max |loss difference| {max(abs(a - b) for a, b in zip(losses, ref_losses)):.2e}")
         print(f"after training: seqpar loss {final:.6f}, same weights reloaded unparallelized {reloaded:.6f}")
+    return dict(losses=losses, ref_losses=ref_losses, final=final, reloaded=reloaded)
+
+
+def main() -> None:
+    mesh = seqpar.init_parallel(tp=int(os.environ.get("WORLD_SIZE", "1")))  # all ranks in one TP group
+    run(mesh)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 
