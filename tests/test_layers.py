@@ -1,4 +1,5 @@
 """Parallel layers equal dense nn.Linear / F.embedding / F.cross_entropy, in fp64 and fp32."""
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -124,3 +125,16 @@ def test_embedding_and_cross_entropy_match_torch(spawn):
             tol = 1e-5 if torch.float32 in key else 1e-10
             for name, err in errs.items():
                 assert err <= tol, f"rank {rank} {key}: {name} err {err:.2e}"
+
+
+def test_embedding_range_check_compiles_into_one_graph():
+    """Ids outside the vocabulary still raise under torch.compile, without a graph break (the eager
+    check reads ids.min() on the host, which dynamo cannot trace)."""
+    emb = VocabParallelEmbedding(16, 4)
+    compiled = torch.compile(emb, backend="eager", fullgraph=True)
+    ids = torch.tensor([[0, 15], [3, 7]])
+    assert torch.equal(compiled(ids), emb(ids))
+    with pytest.raises(RuntimeError, match=r"ids must lie in \[0, 16\)"):
+        compiled(torch.tensor([[3, 16]]))
+    with pytest.raises(ValueError, match=r"got min 3 max 16"):
+        emb(torch.tensor([[3, 16]]))
