@@ -21,7 +21,7 @@ from ..distributed.collectives import ProcessGroup, group_size
 from ..distributed.grad_sync import install_sp_grad_hooks, mark_sp_replicated
 from ..distributed.mesh import ParallelMesh
 from ..distributed.regions import copy_to_tp, gather_from_sp, gather_to_replicated, scatter_to_sp
-from .spec import Parallelized, Plan, Style
+from .spec import Parallelized, Plan
 from .wrappers import parallelized, unwrap
 
 
