@@ -1,8 +1,11 @@
-"""Self-attention: fused QKV column-parallel linear -> CoreAttention -> row-parallel projection.
+"""Self-attention: fused QKV column-parallel linear -> [RoPE] -> CoreAttention -> row-parallel projection.
 
-Under TP each rank owns ``a/t`` heads. The fused QKV layer is column-parallel with 3 chunks: the
-dense weight is ``[q; k; v]`` and rank ``r`` holds ``[q_r; k_r; v_r]`` (its heads of each), as its
-layout declares (:mod:`seqpar.sharding`), so the dense state dict stays layout-invariant.
+Under TP each rank owns ``a/t`` query heads and ``g/t`` key/value heads (``g = a`` unless
+grouped-query attention). The fused QKV layer is column-parallel with chunks ``(a, g, g)``: the
+dense weight is ``[q; k; v]`` and rank ``r`` holds ``[q_r; k_r; v_r]`` (its heads of each), as
+its layout declares (:mod:`seqpar.sharding`), so the dense state dict stays layout-invariant.
+Query head ``i`` attends with key/value head ``i // (a/g)`` (Hugging Face's ``repeat_kv`` order),
+which keeps each rank's query heads with their own key/value heads.
 """
 from __future__ import annotations
 
@@ -16,14 +19,20 @@ from ..distributed.rng import RNGStreams
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..recompute import checkpoint
 from .config import GPTConfig
+from .rope import RopeTables, RotaryEmbedding
+
+# scaled_dot_product_attention(..., enable_gqa=True) exists from PyTorch 2.5
+_SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 class CoreAttention(nn.Module):
     """softmax(QK^T / sqrt(d) + causal mask) -> dropout -> times V, for this rank's heads.
 
-    q, k, v: ``[s, b, a/t, d]`` -> ``[s, b, a/t * d]``. This is the part that selective
-    recomputation recomputes: in bf16 it keeps ``5as^2b/t`` bytes (softmax output, 1-byte dropout
-    mask, dropout output) for ``4bs^2h/t`` FLOPs.
+    q ``[s, b, a/t, d]``, k and v ``[s, b, g/t, d]`` -> ``[s, b, a/t * d]``. This is the part that
+    selective recomputation recomputes: in bf16 it keeps ``5as^2b/t`` bytes (softmax output, 1-byte
+    dropout mask, dropout output) for ``4bs^2h/t`` FLOPs. Grouped-query attention never expands K
+    and V: the ``r = a/g`` query heads of a group are folded into the rows of one batched matmul,
+    ``[b*g, r*s, d] x [b*g, d, s]``.
     """
 
     def __init__(self, config: GPTConfig, streams: RNGStreams):
@@ -32,61 +41,77 @@ class CoreAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self._bias, self._bias_key = None, None
 
-    def _causal_bias(self, s: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """``[s, s]`` with -inf above the diagonal, 0 elsewhere; cached per shape/dtype/device."""
-        key = (s, dtype, device)
+    def _causal_bias(self, s: int, r: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """``[r*s, s]``: ``r`` copies of the ``[s, s]`` mask with -inf above the diagonal; cached."""
+        key = (s, r, dtype, device)
         if self._bias_key != key:
-            self._bias = torch.full((s, s), float("-inf"), dtype=dtype, device=device).triu_(1)
+            self._bias = torch.full((s, s), float("-inf"), dtype=dtype, device=device).triu_(1).repeat(r, 1)
             self._bias_key = key
         return self._bias
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, b, a, d = q.shape
+        g = k.shape[2]
+        r = a // g  # query heads per key/value head
         p = self.p if self.training else 0.0
         with self.streams.fork("tp"):  # each TP rank holds different heads: different masks
             if self.kind == "sdpa":
-                qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, a, s, d] views
-                out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=p, is_causal=True)
+                qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, heads, s, d] views
+                if r > 1 and not _SDPA_GQA:  # old PyTorch: the kernel needs equal head counts
+                    kh, vh = kh.repeat_interleave(r, 1), vh.repeat_interleave(r, 1)
+                gqa = {"enable_gqa": True} if r > 1 and _SDPA_GQA else {}
+                out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=p, is_causal=True, **gqa)
                 return out.permute(2, 0, 1, 3).reshape(s, b, a * d)
-            qb = q.permute(1, 2, 0, 3).reshape(b * a, s, d)           # [b*a, s, d]
-            kt = k.permute(1, 2, 3, 0).reshape(b * a, d, s)           # [b*a, d, s]
-            vb = v.permute(1, 2, 0, 3).reshape(b * a, s, d)
+            # copies, never views of the QKV buffer: a view (b = 1, or one key/value head) would keep
+            # the whole buffer alive next to the copies, Q twice
+            qb = q.permute(1, 2, 0, 3).reshape(b * g, r * s, d).contiguous()  # [b*g, r*s, d]: group's heads as rows
+            kt = k.permute(1, 2, 3, 0).reshape(b * g, d, s).contiguous()      # [b*g, d, s]
+            vb = v.permute(1, 2, 0, 3).reshape(b * g, s, d).contiguous()
             # one fused op: causal bias + scale * QK^T (the bias is a broadcast view, never saved)
-            scores = torch.baddbmm(self._causal_bias(s, q.dtype, q.device).expand(b * a, s, s), qb, kt,
-                                   alpha=self.scale)                  # [b*a, s, s]
+            bias = self._causal_bias(s, r, q.dtype, q.device)
+            scores = torch.baddbmm(bias.expand(b * g, r * s, s), qb, kt, alpha=self.scale)  # [b*g, r*s, s]
             # in the scores' dtype (bf16 stays bf16, accumulated in fp32 by the kernel): autocast would
             # upcast the output to fp32 and double the 2as^2b bytes Table 2 counts for it
             with torch.autocast(q.device.type, enabled=False):
                 probs = torch.softmax(scores, dim=-1)
             if p > 0:
                 probs, _ = torch.native_dropout(probs, p, True)        # keeps a 1-byte mask
-            ctx = torch.bmm(probs, vb)                                 # [b*a, s, d]
+            ctx = torch.bmm(probs, vb)                                 # [b*g, r*s, d]
         return ctx.view(b, a, s, d).permute(2, 0, 1, 3).reshape(s, b, a * d)  # [s, b, a/t * d]
 
 
 class SelfAttention(nn.Module):
     """``[s/t, b, h]`` (SP) or ``[s, b, h]`` -> same shape. QKV all-gathers the sequence under SP
-    (inside the column layer), the projection reduce-scatters it back."""
+    (inside the column layer), RoPE (``position="rope"``) rotates this rank's q and k heads on the
+    full sequence, the projection reduce-scatters it back."""
 
-    def __init__(self, config: GPTConfig, tp_group, streams: RNGStreams, layer_std: tuple[float, float]):
+    def __init__(self, config: GPTConfig, tp_group, streams: RNGStreams, layer_std: tuple[float, float],
+                 rope: RopeTables | None = None):
         super().__init__()
         t = self.t = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
         h, dt, sp = config.hidden, config.torch_dtype, config.sequence_parallel
+        a, g, d = config.heads, config.num_kv_heads, config.head_dim
         std, out_std = layer_std
-        self.local_heads, self.head_dim = config.heads // t, config.head_dim
+        self.local_heads, self.local_kv_heads, self.head_dim = a // t, g // t, d
         self.streams = streams
         self.recompute = False  # set by the model for selective recomputation
 
-        self.qkv = ColumnParallelLinear(h, 3 * h, bias=config.bias, tp_group=tp_group, sequence_parallel=sp,
-                                        dtype=dt, init_method=lambda w: nn.init.normal_(w, 0.0, std), chunks=3)
+        chunks = 3 if g == a else (a, g, g)
+        self.qkv = ColumnParallelLinear(h, (a + 2 * g) * d, bias=config.bias, tp_group=tp_group, sequence_parallel=sp,
+                                        dtype=dt, init_method=lambda w: nn.init.normal_(w, 0.0, std), chunks=chunks)
+        self.rope = None if rope is None else RotaryEmbedding(rope, a // t, g // t, d)
         self.core = CoreAttention(config, streams)
         self.proj = RowParallelLinear(h, h, bias=config.bias, tp_group=tp_group, sequence_parallel=sp, dtype=dt,
                                       init_method=lambda w: nn.init.normal_(w, 0.0, out_std))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv(x)                                   # [s, b, 3h/t] = [q_r | k_r | v_r]
+        qkv = self.qkv(x)                                   # [s, b, (a+2g)/t * d] = [q_r | k_r | v_r]
+        if self.rope is not None:
+            qkv = self.rope(qkv)                            # a new buffer; the unrotated one is freed
         s, b = qkv.shape[:2]
-        q, k, v = qkv.view(s, b, 3, self.local_heads, self.head_dim).unbind(2)  # 3 x [s, b, a/t, d] views
+        a, g, d = self.local_heads, self.local_kv_heads, self.head_dim
+        q, k, v = qkv.split((a * d, g * d, g * d), dim=-1)
+        q, k, v = q.view(s, b, a, d), k.view(s, b, g, d), v.view(s, b, g, d)  # views of one buffer
         if self.recompute:
             ctx = checkpoint(self.core, q, k, v, streams=self.streams)  # keeps only q, k, v
         else:

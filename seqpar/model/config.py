@@ -1,6 +1,12 @@
-"""GPTConfig: the model's shape and its parallel / recompute modes, validated up front."""
+"""GPTConfig: the model's shape and its parallel / recompute modes, validated up front.
+
+One decoder, configured: the defaults are GPT-2 (LayerNorm, learned positions, GeLU MLP,
+multi-head attention); ``norm="rmsnorm"``, ``position="rope"``, ``mlp="swiglu"`` and
+``kv_heads`` give the Llama family.
+"""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -9,25 +15,64 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+def _finite_positive(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's frequency-dependent RoPE scaling (Hugging Face ``rope_type: llama3``).
+
+    Wavelengths ``2 pi / inv_freq`` shorter than ``original_max_position_embeddings /
+    high_freq_factor`` are kept; longer than ``original_max_position_embeddings / low_freq_factor``
+    are divided by ``factor``; in between, interpolated linearly in ``original / wavelength``.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def validate(self) -> None:
+        for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+            if not _finite_positive(getattr(self, name)):
+                raise ValueError(f"RopeScaling.{name} must be a finite number > 0, got {getattr(self, name)!r}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"RopeScaling.high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
+                             f"({self.low_freq_factor})")
+
+
+def swiglu_ffn(hidden: int) -> int:
+    """Llama's SwiGLU width for ``hidden``: 8h/3 rounded up to a multiple of 256 (4096 -> 11008)."""
+    return 256 * math.ceil(8 * hidden / 3 / 256)
+
+
 @dataclass
 class GPTConfig:
-    """A GPT-2/GPT-3 style decoder. Every check that needs only these numbers runs in
+    """A GPT-2/GPT-3 or Llama-family decoder. Every check that needs only these numbers runs in
     ``validate()``; the ones that need the TP size run in ``check_parallel(t)``."""
 
-    vocab_size: int = 50304        # divisible by t (pad the tokenizer's vocabulary if needed)
-    seq_len: int = 1024            # maximum sequence length (learned position embeddings)
+    vocab_size: int = 50304        # the tokenizer's vocabulary, any size (padded inside, see vocab_multiple)
+    seq_len: int = 1024            # maximum sequence length (learned positions; the RoPE window)
     hidden: int = 768              # h
-    heads: int = 12                # a; h must be divisible by a
+    heads: int = 12                # a (query heads); h must be divisible by a
     layers: int = 12               # L
-    ffn_hidden: int | None = None  # MLP width; None means 4 * hidden
+    ffn_hidden: int | None = None  # MLP width f; None: 4h (gelu), Llama's 8h/3 rounded up to 256 (swiglu)
     dropout: float = 0.1           # embedding, post-attention and post-MLP dropout
     attention_dropout: float = 0.1 # dropout on the attention probabilities
-    activation: Literal["gelu", "gelu_tanh"] = "gelu"
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"  # the GeLU of mlp="gelu" (swiglu uses SiLU)
     tie_embeddings: bool = True    # output head shares the token-embedding table
-    layernorm_eps: float = 1e-5
-    bias: bool = True              # biases in the linear layers (GPT-2 has them)
+    layernorm_eps: float = 1e-5    # epsilon of the norms (LayerNorm or RMSNorm)
+    bias: bool = True              # biases in the linear layers (GPT-2 has them, Llama not)
     init_std: float = 0.02         # normal init; residual output projections get std / sqrt(2L)
-    sequence_parallel: bool = True # shard LayerNorm/dropout/residual along the sequence (needs t | seq)
+    norm: Literal["layernorm", "rmsnorm"] = "layernorm"
+    position: Literal["learned", "rope"] = "learned"  # learned table [seq_len, h], or rotary on q and k
+    rope_theta: float = 10000.0    # RoPE base (Llama 2: 1e4, Llama 3: 5e5)
+    rope_scaling: RopeScaling | None = None  # Llama 3.1/3.2's scaling of the RoPE frequencies
+    mlp: Literal["gelu", "swiglu"] = "gelu"  # fc1 -> GeLU -> fc2, or fc2(silu(gate) * up)
+    kv_heads: int | None = None    # key/value heads g (grouped-query attention); None: g = a
+    vocab_multiple: int = 1        # embedding/output rows padded to a multiple of vocab_multiple x t
+    sequence_parallel: bool = True # shard norms/dropout/residual along the sequence (needs t | seq)
     recompute: Literal["none", "selective", "full"] = "selective"
     recompute_method: Literal["uniform", "block"] = "uniform"  # full only: N-layer groups, or first N layers
     recompute_num_layers: int = 1  # N for full recompute
@@ -35,20 +80,32 @@ class GPTConfig:
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # parameter/activation dtype
 
     def __post_init__(self) -> None:
-        if self.ffn_hidden is None:
-            self.ffn_hidden = 4 * self.hidden
+        if self.ffn_hidden is None and isinstance(self.hidden, int):
+            self.ffn_hidden = swiglu_ffn(self.hidden) if self.mlp == "swiglu" else 4 * self.hidden
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
     @property
+    def num_kv_heads(self) -> int:
+        """g: key/value heads (``heads`` unless grouped-query attention)."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    def padded_vocab(self, t: int = 1) -> int:
+        """Rows of the embedding and output layer at TP size ``t``: ``vocab_size`` rounded up to a
+        multiple of ``vocab_multiple x t``. The extra rows are zero and their logits masked to -inf."""
+        m = self.vocab_multiple * t
+        return -(-self.vocab_size // m) * m
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the values of any inconsistent field."""
-        for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "ffn_hidden", "recompute_num_layers"):
+        for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "ffn_hidden", "recompute_num_layers",
+                     "vocab_multiple"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"GPTConfig.{name} must be a positive integer, got {v!r}")
@@ -63,20 +120,43 @@ class GPTConfig:
         if not 0 <= self.init_std < float("inf"):
             raise ValueError(f"GPTConfig.init_std must be a finite number >= 0, got {self.init_std!r}")
         choices = {"activation": ("gelu", "gelu_tanh"), "recompute": ("none", "selective", "full"),
-                   "recompute_method": ("uniform", "block"), "attention": ("math", "sdpa"), "dtype": tuple(DTYPES)}
+                   "recompute_method": ("uniform", "block"), "attention": ("math", "sdpa"), "dtype": tuple(DTYPES),
+                   "norm": ("layernorm", "rmsnorm"), "position": ("learned", "rope"), "mlp": ("gelu", "swiglu")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.recompute == "full" and self.recompute_num_layers > self.layers:
             raise ValueError(f"GPTConfig.recompute_num_layers ({self.recompute_num_layers}) exceeds layers "
                              f"({self.layers})")
+        self._validate_llama_options()
+
+    def _validate_llama_options(self) -> None:
+        g = self.kv_heads
+        if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1 or self.heads % g):
+            raise ValueError(f"GPTConfig.kv_heads ({g!r}) must be a positive integer dividing heads ({self.heads})")
+        if self.position == "rope":
+            if self.head_dim % 2:
+                raise ValueError(f"GPTConfig.position='rope' needs an even head dim; hidden ({self.hidden}) / "
+                                 f"heads ({self.heads}) = {self.head_dim}")
+            if not _finite_positive(self.rope_theta):
+                raise ValueError(f"GPTConfig.rope_theta must be a finite number > 0, got {self.rope_theta!r}")
+            if self.rope_scaling is not None:
+                self.rope_scaling.validate()
+        elif self.rope_scaling is not None:
+            raise ValueError(f"GPTConfig.rope_scaling is set but position is {self.position!r} (it needs 'rope')")
+        if self.mlp == "swiglu" and self.activation != "gelu":
+            raise ValueError(f"GPTConfig.activation={self.activation!r} applies to mlp='gelu'; mlp='swiglu' uses "
+                             f"SiLU (leave activation at 'gelu')")
 
     def check_parallel(self, t: int) -> None:
         """Every dimension that TP/SP splits must be divisible by ``t``; raised on every rank
-        before any collective, with all offending values in one message."""
+        before any collective, with all offending values in one message. The vocabulary is
+        padded instead (:meth:`padded_vocab`), so it may have any size."""
         self.validate()
-        bad = [f"{name} ({getattr(self, name)})" for name in ("heads", "hidden", "ffn_hidden", "vocab_size")
+        bad = [f"{name} ({getattr(self, name)})" for name in ("heads", "hidden", "ffn_hidden")
                if getattr(self, name) % t]
+        if self.kv_heads is not None and self.kv_heads % t:
+            bad.append(f"kv_heads ({self.kv_heads}; heads={self.heads}, each rank needs whole key/value heads)")
         if self.sequence_parallel and self.seq_len % t:
             bad.append(f"seq_len ({self.seq_len}, sequence parallelism)")
         if bad:

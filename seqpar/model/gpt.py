@@ -1,7 +1,10 @@
-"""GPT: embeddings -> L pre-LayerNorm blocks -> final LayerNorm -> vocab-parallel head and loss.
+"""GPT: embeddings -> L pre-norm blocks -> final norm -> vocab-parallel head and loss.
 
 Tokens come in batch-first ``[b, s]`` and are processed sequence-first ``[s, b, h]``; under
-sequence parallelism the residual stream between blocks is the shard ``[s/t, b, h]``.
+sequence parallelism the residual stream between blocks is the shard ``[s/t, b, h]``. The same
+decoder is GPT-2 (LayerNorm, learned positions, GeLU) or Llama (RMSNorm, RoPE, SwiGLU,
+grouped-query attention) by its :class:`GPTConfig`; the vocabulary is padded to the TP layout
+(:mod:`seqpar.model.vocab`) and the padding is invisible outside the model.
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ from ..sharding import mark_sp_replicated
 from .attention import SelfAttention
 from .config import GPTConfig
 from .mlp import MLP
+from .norm import make_norm
+from .rope import RopeTables
+from .vocab import VOCAB_PARAMS, mask_padded_logits, pad_rows, padded_normal_init, trim_rows
 
 
 class Dropout(nn.Module):
@@ -41,16 +47,18 @@ class Dropout(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LN transformer layer: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``."""
+    """Pre-norm transformer layer: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``.
+    ``ln1``/``ln2`` are LayerNorms or RMSNorms (``config.norm``)."""
 
-    def __init__(self, config: GPTConfig, tp_group, streams: RNGStreams, layer_std: tuple[float, float]):
+    def __init__(self, config: GPTConfig, tp_group, streams: RNGStreams, layer_std: tuple[float, float],
+                 rope: RopeTables | None = None):
         super().__init__()
         h, dt, eps = config.hidden, config.torch_dtype, config.layernorm_eps
         stream = "tp" if config.sequence_parallel else "replicated"  # SP: each rank holds other tokens
-        self.ln1 = nn.LayerNorm(h, eps=eps, dtype=dt)
-        self.attn = SelfAttention(config, tp_group, streams, layer_std)
+        self.ln1 = make_norm(config.norm, h, eps, dt)
+        self.attn = SelfAttention(config, tp_group, streams, layer_std, rope)
         self.attn_dropout = Dropout(config.dropout, streams, stream)
-        self.ln2 = nn.LayerNorm(h, eps=eps, dtype=dt)
+        self.ln2 = make_norm(config.norm, h, eps, dt)
         self.mlp = MLP(config, tp_group, layer_std)
         self.mlp_dropout = Dropout(config.dropout, streams, stream)
         if config.sequence_parallel and group_size(tp_group) > 1:
@@ -63,12 +71,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2/GPT-3 style model built from seqpar's parallel layers.
+    """GPT-2/GPT-3 or Llama-family decoder built from seqpar's parallel layers.
 
     ``model(tokens)``: tokens ``[b, s]`` (identical on all TP ranks) -> this rank's vocabulary
-    shard of the logits ``[b, s, v/t]``. ``model(tokens, labels)`` -> mean cross-entropy over
-    labels != -100, identical on all TP ranks. The same ``seed`` gives the same dense model for
-    every TP size (see :meth:`dense_state_dict`).
+    shard of the logits ``[b, s, v_pad/t]`` (``v_pad = config.padded_vocab(t)``; the padded
+    columns are -inf). ``model(tokens, labels)`` -> mean cross-entropy over labels != -100,
+    identical on all TP ranks. The same ``seed`` gives the same dense model for every TP size
+    (see :meth:`dense_state_dict`), with or without vocabulary padding.
     """
 
     def __init__(self, config: GPTConfig, mesh: ParallelMesh | None = None, seed: int = 0):
@@ -84,23 +93,29 @@ class GPT(nn.Module):
         h, dt, sp, std = config.hidden, config.torch_dtype, config.sequence_parallel, config.init_std
         layer_std = (std, std / math.sqrt(2 * config.layers))
         embed_stream = "tp" if sp else "replicated"
+        v, self.padded_vocab = config.vocab_size, config.padded_vocab(t)
+        self.vocab_start = self.tp_rank * (self.padded_vocab // t)  # first vocabulary row of this rank
+        rope = RopeTables(config) if config.position == "rope" else None
 
         fork = torch.random.fork_rng(devices=[])  # weights come from `seed`, the caller's RNG is untouched
         with fork:
             torch.manual_seed(seed)
-            self.wte = VocabParallelEmbedding(config.vocab_size, h, tp_group=self.tp_group, sequence_parallel=sp,
-                                              dtype=dt, init_method=lambda w: nn.init.normal_(w, 0.0, std))
-            self.wpe = nn.Embedding(config.seq_len, h, dtype=dt)
-            nn.init.normal_(self.wpe.weight, 0.0, std / 2)
+            self.wte = VocabParallelEmbedding(self.padded_vocab, h, tp_group=self.tp_group, sequence_parallel=sp,
+                                              dtype=dt, init_method=padded_normal_init(v, std))
+            self.wpe = None
+            if config.position == "learned":
+                self.wpe = nn.Embedding(config.seq_len, h, dtype=dt)
+                nn.init.normal_(self.wpe.weight, 0.0, std / 2)
             self.drop = Dropout(config.dropout, self.rng, embed_stream)
-            self.blocks = nn.ModuleList(Block(config, self.tp_group, self.rng, layer_std)
+            self.blocks = nn.ModuleList(Block(config, self.tp_group, self.rng, layer_std, rope)
                                         for _ in range(config.layers))
-            self.ln_f = nn.LayerNorm(h, eps=config.layernorm_eps, dtype=dt)
+            self.ln_f = make_norm(config.norm, h, config.layernorm_eps, dt)
             self.lm_head = None if config.tie_embeddings else ColumnParallelLinear(
-                h, config.vocab_size, bias=False, tp_group=self.tp_group, sequence_parallel=sp, dtype=dt,
-                init_method=lambda w: nn.init.normal_(w, 0.0, std))
+                h, self.padded_vocab, bias=False, tp_group=self.tp_group, sequence_parallel=sp, dtype=dt,
+                init_method=padded_normal_init(v, std))
         if sp and t > 1:
-            mark_sp_replicated(self.wpe)  # each rank adds the position rows of its own shard
+            if self.wpe is not None:
+                mark_sp_replicated(self.wpe)  # each rank adds the position rows of its own shard
             mark_sp_replicated(self.ln_f)
         self.to(mesh.device)
         self.set_recompute(config.recompute, config.recompute_method, config.recompute_num_layers)
@@ -136,6 +151,10 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {s} exceeds config.seq_len={self.config.seq_len}")
         if self.config.sequence_parallel and s % self.tp_size:
             raise ValueError(f"sequence length {s} is not divisible by t={self.tp_size} (sequence parallelism)")
+        v = self.config.vocab_size  # the padded rows must never be looked up (CUDA: left to the data checks)
+        if tokens.device.type == "cpu" and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
+            raise ValueError(f"token ids must lie in [0, {v}) (vocab_size), got min {int(tokens.min())} "
+                             f"max {int(tokens.max())}")
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         self._check_tokens(tokens)
@@ -143,9 +162,10 @@ class GPT(nn.Module):
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal tokens shape {tuple(tokens.shape)}")
         sp = self.config.sequence_parallel
         x = self.wte(tokens.t())                                    # [s/t, b, h] (SP) or [s, b, h]
-        n = x.shape[0]
-        start = self.tp_rank * n if sp else 0
-        x = x + self.wpe.weight[start:start + n].unsqueeze(1)       # positions of this rank's rows
+        if self.wpe is not None:  # learned positions; RoPE acts on q and k inside attention instead
+            n = x.shape[0]
+            start = self.tp_rank * n if sp else 0
+            x = x + self.wpe.weight[start:start + n].unsqueeze(1)   # positions of this rank's rows
         x = self.drop(x)
         for begin, end, ckpt in self.runs:
             if ckpt:
@@ -154,28 +174,33 @@ class GPT(nn.Module):
                 x = self._run_blocks(x, begin, end)
         x = self.ln_f(x)
         weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
-        logits = column_parallel_linear(x, weight, tp_group=self.tp_group, sequence_parallel=sp)  # [s, b, v/t]
-        if labels is None:
-            return logits.transpose(0, 1)                           # [b, s, v/t]
-        return vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group)
+        logits = column_parallel_linear(x, weight, tp_group=self.tp_group, sequence_parallel=sp)  # [s, b, v_pad/t]
+        v = self.config.vocab_size
+        if labels is None:  # padded columns -inf: sampling and argmax never pick them
+            return mask_padded_logits(logits, v, self.vocab_start).transpose(0, 1)  # [b, s, v_pad/t]
+        return vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group, vocab_size=v)
 
     # ------------------------------------------------------------------ dense state dict
     def to_dense(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gather per-parameter tensors (parameters, their grads or optimizer moments, keyed by
-        parameter name) into the full, layout-invariant form. A collective over TP."""
-        return sharding.to_dense(self, local, self.tp_group)
+        parameter name) into the full, layout-invariant form: the vocabulary tables cut to the
+        true ``vocab_size`` rows. A collective over TP."""
+        return trim_rows(sharding.to_dense(self, local, self.tp_group), self.config.vocab_size)
 
     def to_local(self, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Slice full tensors (as from :meth:`to_dense`) into this rank's shards. No communication."""
-        return sharding.to_local(self, dense, self.tp_group)
+        """Slice full tensors (as from :meth:`to_dense`) into this rank's shards, the vocabulary
+        tables zero-padded to this layout's rows first. No communication."""
+        return sharding.to_local(self, pad_rows(dense, self.padded_vocab), self.tp_group)
 
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under stable names, identical for every TP size:
-        ``wte.weight [v, h]``, ``wpe.weight [seq_len, h]``, ``blocks.{i}.ln1.{weight,bias}``,
-        ``blocks.{i}.attn.qkv.{weight [3h, h], bias [3h]}`` in ``[q; k; v]`` order,
+        ``wte.weight [v, h]`` (the true vocabulary, no padding), ``wpe.weight [seq_len, h]``
+        (learned positions only), ``blocks.{i}.ln1.{weight,bias}`` (RMSNorm: weight only),
+        ``blocks.{i}.attn.qkv.{weight [(a+2g)d, h], bias}`` in ``[q; k; v]`` order,
         ``blocks.{i}.attn.proj.{weight [h, h], bias}``, ``blocks.{i}.ln2.*``,
-        ``blocks.{i}.mlp.fc1.{weight [f, h], bias}``, ``blocks.{i}.mlp.fc2.{weight [h, f], bias}``,
-        ``ln_f.*`` and, when untied, ``lm_head.weight [v, h]``. A collective: call on every TP rank."""
+        ``blocks.{i}.mlp.fc1.{weight [f, h], bias}`` (SwiGLU: ``[2f, h]`` = ``[gate; up]``),
+        ``blocks.{i}.mlp.fc2.{weight [h, f], bias}``, ``ln_f.*`` and, when untied,
+        ``lm_head.weight [v, h]``. A collective: call on every TP rank."""
         return self.to_dense(dict(self.named_parameters()))
 
     def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -194,7 +219,8 @@ class GPT(nn.Module):
                 p.copy_(local[name])
 
     def _dense_shapes(self) -> dict[str, torch.Size]:
-        return sharding.dense_shapes(self, self.tp_group)
+        shapes = sharding.dense_shapes(self, self.tp_group)
+        return {k: torch.Size((self.config.vocab_size, *s[1:])) if k in VOCAB_PARAMS else s for k, s in shapes.items()}
 
     def num_parameters(self, dense: bool = True) -> int:
         """Parameter count of the full model (``dense``) or of this rank's shards."""
