@@ -4,12 +4,21 @@ Notation: B batch (sequences per iteration), s sequence length, h hidden, L laye
 Only matrix multiplications are counted (2 FLOPs per multiply-add); backward costs twice the
 forward. Integer inputs give exact integer counts: the factored forms of the paper are expanded,
 e.g. 72BLsh^2(1 + s/(6h) + v/(12hL)) = 72BLsh^2 + 12BLs^2h + 6Bshv.
+
+The general decoder (:func:`decoder_layer_forward_flops`, :func:`config_model_flops`,
+:func:`config_hardware_flops`) adds a heads, g key/value heads and MLP width f: QKV
+``2Bsh^2 (1 + 2g/a)``, projection ``2Bsh^2``, MLP ``4Bshf`` (GeLU, 2 matrices) or ``6Bshf``
+(SwiGLU, 3 matrices), attention core ``4Bs^2h``; the logits use the padded vocabulary, the rows
+the output layer really multiplies. Norms, RoPE and activations are elementwise: not counted.
 """
 from __future__ import annotations
 
 import math
 import os
 from typing import Literal
+
+from .model.config import GPTConfig
+from .recompute import full_recompute_plan
 
 Recompute = Literal["none", "selective", "full"]
 
@@ -58,6 +67,55 @@ def hardware_flops(recompute: Recompute, *, B: int, s: int, h: int, L: int, v: i
     if recompute == "full":
         return 4 * L * layer_forward_flops(B=B, s=s, h=h) + 3 * logits_forward_flops(B=B, s=s, h=h, v=v)
     raise ValueError(f"unknown recompute mode {recompute!r}; expected 'none', 'selective' or 'full'")
+
+
+def decoder_layer_forward_flops(*, B: int, s: int, h: int, heads: int, kv_heads: int | None = None,
+                                ffn_hidden: int | None = None, mlp: Literal["gelu", "swiglu"] = "gelu") -> int:
+    """Forward FLOPs of one general decoder layer: QKV ``2Bsh(h + 2hg/a)``, projection ``2Bsh^2``,
+    MLP ``4Bshf`` (GeLU) or ``6Bshf`` (SwiGLU: gate, up and down), attention core ``4Bs^2h``.
+    GPT (g = a, f = 4h, GeLU) gives :func:`layer_forward_flops`, ``24Bsh^2 + 4Bs^2h``."""
+    g, f = kv_heads or heads, ffn_hidden or 4 * h
+    if mlp not in ("gelu", "swiglu") or heads % g or h % heads:
+        raise ValueError(f"need h % heads == 0, heads % kv_heads == 0 and mlp 'gelu' or 'swiglu'; got h={h}, "
+                         f"heads={heads}, kv_heads={g}, mlp={mlp!r}")
+    qkv = 2 * B * s * h * (h + 2 * (h // heads) * g)
+    mlp_flops = (6 if mlp == "swiglu" else 4) * B * s * h * f
+    return qkv + 2 * B * s * h * h + mlp_flops + attention_core_forward_flops(B=B, s=s, h=h)
+
+
+def _config_parts(cfg: GPTConfig, B: int, t: int) -> tuple[int, int, int]:
+    """(layer forward, attention-core forward, logits forward) FLOPs of ``cfg`` at TP size ``t``."""
+    layer = decoder_layer_forward_flops(B=B, s=cfg.seq_len, h=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                                        ffn_hidden=cfg.ffn_hidden, mlp=cfg.mlp)
+    core = attention_core_forward_flops(B=B, s=cfg.seq_len, h=cfg.hidden)
+    return layer, core, logits_forward_flops(B=B, s=cfg.seq_len, h=cfg.hidden, v=cfg.padded_vocab(t))
+
+
+def config_model_flops(cfg: GPTConfig, *, B: int, t: int = 1) -> int:
+    """Model FLOPs per iteration of ``cfg`` (forward + backward, no recompute) for ``B`` sequences
+    of ``cfg.seq_len`` tokens: 3 x (L x layer forward + logits), the logits over the vocabulary
+    padded for TP size ``t``. The whole model's: each of ``t`` ranks executes ``1/t`` of it."""
+    layer, _, logits = _config_parts(cfg, B, t)
+    return 3 * (cfg.layers * layer + logits)
+
+
+def config_hardware_flops(cfg: GPTConfig, *, B: int, t: int = 1, recompute: Recompute | None = None) -> int:
+    """FLOPs executed per iteration, recomputation included (``recompute`` defaults to
+    ``cfg.recompute``): selective adds one forward of every attention core, full one forward of
+    every layer its plan checkpoints (``recompute_method`` / ``recompute_num_layers``). This
+    counts what runs, as ``FlopCounterMode`` does; :func:`hardware_flops` keeps Appendix A's
+    accounting, which charges the selective recompute three core forwards."""
+    mode = cfg.recompute if recompute is None else recompute
+    layer, core, _ = _config_parts(cfg, B, t)
+    base = config_model_flops(cfg, B=B, t=t)
+    if mode == "none":
+        return base
+    if mode == "selective":
+        return base + cfg.layers * core
+    if mode == "full":
+        plan = full_recompute_plan(cfg.layers, cfg.recompute_method, cfg.recompute_num_layers)
+        return base + layer * sum(end - begin for begin, end, ckpt in plan if ckpt)
+    raise ValueError(f"unknown recompute mode {mode!r}; expected 'none', 'selective' or 'full'")
 
 
 def selective_overhead(s: int, h: int) -> float:

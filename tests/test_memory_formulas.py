@@ -1,5 +1,7 @@
-"""Table 2, §4.2.3, §4.3 and Figures 1 / 7 of the paper, checked against seqpar.memory.formulas."""
+"""Table 2, §4.2.3, §4.3 and Figures 1 / 7 of the paper, checked against seqpar.memory.formulas; Table 2
+generalised to the Llama family (its ledger check on the real model is in test_llama.py)."""
 from decimal import ROUND_HALF_EVEN, Decimal
+from fractions import Fraction
 
 import pytest
 
@@ -19,6 +21,7 @@ from seqpar.memory import (
     per_gpu_bytes,
     ratio_to_tp,
 )
+from seqpar.memory.formulas import split_coefficient
 
 GPT3 = dict(s=2048, b=1, h=12288, a=96)
 MTNLG = dict(s=2048, b=1, h=20480, a=128)
@@ -169,3 +172,26 @@ def test_load_shape_uses_the_strict_loader(tmp_path):
     with pytest.raises(ValueError, match=r"m\.yaml: model\.hidden: expected int, got 8000\.0"):
         load_shape(cfg)
     assert load_shape("paper/22b") == paper_shapes()["22B"]  # a shipped config by name
+
+
+def test_generalised_terms_reduce_to_table_2_and_add_up():
+    gpt = dict(s=512, b=3, h=768, a=12)
+    assert split_coefficient(h=768, a=12) == 24
+    for k in ("none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "full"):
+        assert bytes_per_layer(k, **gpt, t=4, kv_heads=12, ffn_hidden=3072) == bytes_per_layer(k, **gpt, t=4)
+    # Llama 3 8B: g = a/4, f = 3.5h, SwiGLU: c = 4 + 1 + 6 * 3.5 = 26, so TP+SP+selective keeps 36sbh/t
+    llama = dict(s=8192, b=1, h=4096, a=32, kv_heads=8, ffn_hidden=14336, mlp="swiglu")
+    assert split_coefficient(**{k: llama[k] for k in ("h", "a", "kv_heads", "ffn_hidden", "mlp")}) == 26
+    assert bytes_per_layer("tp_sp_selective", **llama, t=8) == 36 * 8192 * 4096 // 8
+    terms = activation_breakdown("tp", **llama, t=8)
+    sbh = 8192 * 4096
+    assert terms["qk"] == Fraction(5, 2) * sbh / 8 and terms["v"] == sbh / 2 / 8
+    assert terms["swiglu_gate_up"] == 14 * sbh / 8 and terms["fc2_input"] == 7 * sbh / 8 and "gelu_input" not in terms
+    for k in ("none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "full"):
+        assert sum(activation_breakdown(k, **llama, t=8).values()) == pytest.approx(bytes_per_layer(k, **llama, t=8))
+    shape = ModelShape("8B", s=8192, b=1, h=4096, a=32, L=32, v=128256, t=8, g=8, f=14336, mlp="swiglu")
+    assert per_gpu_bytes(shape, "tp_sp_selective") == 32 * bytes_per_layer("tp_sp_selective", **shape.layer_dims)
+    assert ModelShape("x", s=8, b=1, h=8, a=2, L=1, v=8, t=1, g=2, f=32) == ModelShape("x", s=8, b=1, h=8, a=2, L=1,
+                                                                                      v=8, t=1)
+    with pytest.raises(ValueError, match=r"kv_heads \(3\) must divide heads \(8\)"):
+        bytes_per_layer("tp", s=8, b=1, h=64, a=8, kv_heads=3)

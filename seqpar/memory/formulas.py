@@ -8,6 +8,12 @@ statistics and other small buffers are ignored, as in the paper.
 Everything is computed with exact rationals and returned as an ``int`` when the byte count is
 whole, else a ``float``; the formulas themselves are pure Python. ``load_shape`` reads a run
 config's ``model`` / ``parallel`` / ``train`` sections through the strict config loader.
+
+Llama-family layers (``docs/memory.md``): the per-layer functions take ``kv_heads`` (g, grouped-
+query attention: K and V of g heads), ``ffn_hidden`` (f, default 4h) and ``mlp`` ("gelu" or
+"swiglu"). Writing ``c = 4 + 4g/a + m f/h`` with ``m = 4`` (GeLU input + fc2 input) or ``m = 6``
+(SwiGLU gate and up + fc2 input), Table 2's ``24`` becomes ``c`` and its ``34`` becomes ``10 + c``:
+GPT (g = a, f = 4h, GeLU) gives back 24 and 34. RMSNorm keeps the same input as LayerNorm.
 """
 from __future__ import annotations
 
@@ -25,27 +31,44 @@ TECHNIQUES: tuple[Technique, ...] = get_args(Technique)
 Number = int | float
 GIB = 2**30
 
-# Table 2 breakdown for one layer without parallelism, as multiples of sbh (or as^2b for the
-# attention-score terms). Sharding under plain TP: "rep" stays whole on every TP rank, "tp" is
-# split across ranks (by heads or by the MLP's 4h columns). Under TP+SP every term is split.
-_SBH_TERMS: dict[str, tuple[int, str]] = {
-    "layernorm_inputs": (4, "rep"),  # inputs of the two LayerNorms, 2 x 2sbh
-    "qkv_input": (2, "rep"),  # input of the fused QKV projection
-    "qk": (4, "tp"),  # Q and K, kept for QK^T backward
-    "v": (2, "tp"),  # V, kept for attention-over-V backward
-    "proj_input": (2, "tp"),  # input of the attention output projection
-    "attn_dropout_mask": (1, "rep"),  # post-attention dropout mask
-    "fc1_input": (2, "rep"),  # input of the h -> 4h linear
-    "gelu_input": (8, "tp"),  # [s, b, 4h]
-    "fc2_input": (8, "tp"),  # GeLU output, input of the 4h -> h linear
-    "mlp_dropout_mask": (1, "rep"),  # post-MLP dropout mask
-}
+# Table 2's breakdown of one layer without parallelism is :func:`_sbh_terms`, in multiples of sbh
+# (or as^2b for the attention-score terms below). Sharding under plain TP: "rep" stays whole on
+# every TP rank, "tp" is split across ranks (by heads or by the MLP's columns). Under TP+SP every
+# term is split.
 _SCORE_TERMS: dict[str, int] = {  # [b, a, s, s] tensors, split by heads under TP
     "softmax_out": 2,
     "softmax_dropout_mask": 1,
     "softmax_dropout_out": 2,
 }
 SELECTIVE_DROPPED: tuple[str, ...] = tuple(_SCORE_TERMS)  # recomputed under selective recompute
+Mlp = Literal["gelu", "swiglu"]
+
+
+def _sbh_terms(h: int, a: int, kv_heads: int | None, ffn_hidden: int | None,
+               mlp: str) -> dict[str, tuple[Fraction, str]]:
+    """Name -> (multiple of sbh, "rep" | "tp") for ``g = kv_heads`` key/value heads, MLP width ``f``
+    and ``mlp``. GPT: LayerNorm inputs 4, QKV input 2, Q and K 4, V 2, projection input 2, dropout
+    masks 1 + 1 (1 byte), fc1 input 2, GeLU input 8, fc2 input 8. In general Q 2 and K, V ``2g/a``
+    each; GeLU input ``2f/h`` or SwiGLU's gate and up ``4f/h``; fc2 input ``2f/h``."""
+    if mlp not in ("gelu", "swiglu"):
+        raise ValueError(f"mlp must be 'gelu' or 'swiglu', got {mlp!r}")
+    g, f = a if kv_heads is None else kv_heads, 4 * h if ffn_hidden is None else ffn_hidden
+    _check_dims(kv_heads=g, ffn_hidden=f)
+    if a % g:
+        raise ValueError(f"kv_heads ({g}) must divide heads ({a})")
+    kv, ffn, one = Fraction(g, a), Fraction(f, h), Fraction(1)
+    act = ("swiglu_gate_up", 4 * ffn) if mlp == "swiglu" else ("gelu_input", 2 * ffn)
+    return {"layernorm_inputs": (4 * one, "rep"), "qkv_input": (2 * one, "rep"), "qk": (2 + 2 * kv, "tp"),
+            "v": (2 * kv, "tp"), "proj_input": (2 * one, "tp"), "attn_dropout_mask": (one, "rep"),
+            "fc1_input": (2 * one, "rep"), act[0]: (act[1], "tp"), "fc2_input": (2 * ffn, "tp"),
+            "mlp_dropout_mask": (one, "rep")}
+
+
+def split_coefficient(*, h: int, a: int, kv_heads: int | None = None, ffn_hidden: int | None = None,
+                      mlp: Mlp = "gelu") -> Fraction:
+    """``c``, the multiple of ``sbh`` that TP splits by ``t`` (Table 2's 24 for GPT):
+    ``4 + 4g/a + m f/h``, ``m = 4`` for GeLU, 6 for SwiGLU. The replicated part stays 10."""
+    return sum((c for c, shard in _sbh_terms(h, a, kv_heads, ffn_hidden, mlp).values() if shard == "tp"), Fraction(0))
 
 
 def _out(x: Fraction) -> Number:
@@ -64,56 +87,66 @@ def _check(technique: str, **dims: int) -> None:
     _check_dims(**dims)
 
 
-def activation_breakdown(technique: Technique, *, s: int, b: int, h: int, a: int, t: int = 1) -> dict[str, Number]:
+def activation_breakdown(technique: Technique, *, s: int, b: int, h: int, a: int, t: int = 1,
+                         kv_heads: int | None = None, ffn_hidden: int | None = None,
+                         mlp: Mlp = "gelu") -> dict[str, Number]:
     """Bytes per layer of each stored activation (names as in Table 2's derivation) for one GPU.
 
     ``"tp"`` divides only the head/column-split terms by ``t``; ``"tp_sp"`` divides all terms by
     ``t``; the ``*_selective`` variants drop the softmax output, its dropout mask and the dropout
     output (recomputed in backward); ``"full"`` keeps only the layer input ``{"layer_input": 2sbh}``.
     ``t`` is ignored for ``"none"`` (one device) and ``"full"`` (Table 2's 2sbh row).
+    ``kv_heads``, ``ffn_hidden``, ``mlp``: the Llama-family generalisation (module docstring);
+    SwiGLU names ``swiglu_gate_up`` instead of ``gelu_input``.
     """
     _check(technique, s=s, b=b, h=h, a=a, t=t)
     sbh = s * b * h
+    layer = _sbh_terms(h, a, kv_heads, ffn_hidden, mlp)
     if technique == "full":
         return {"layer_input": 2 * sbh}
     tt = 1 if technique == "none" else t
     sp = technique in ("tp_sp", "tp_sp_selective")
     terms: dict[str, Fraction] = {}
-    for name, (k, shard) in _SBH_TERMS.items():
-        terms[name] = Fraction(k * sbh, tt if (shard == "tp" or sp) else 1)
+    for name, (k, shard) in layer.items():
+        terms[name] = k * sbh / (tt if (shard == "tp" or sp) else 1)
     if not technique.endswith("selective"):
         for name, k in _SCORE_TERMS.items():
             terms[name] = Fraction(k * a * s * s * b, tt)
     return {name: _out(x) for name, x in terms.items()}
 
 
-def _per_layer(technique: Technique, s: int, b: int, h: int, a: int, t: int) -> Fraction:
-    sbh, r = Fraction(s * b * h), Fraction(5 * a * s, h)  # r = 5as/h
+def _per_layer(technique: Technique, s: int, b: int, h: int, a: int, t: int, c: Fraction = Fraction(24)) -> Fraction:
+    sbh, r = Fraction(s * b * h), Fraction(5 * a * s, h)  # r = 5as/h; c = 24 for GPT
     rows: dict[str, Fraction] = {
-        "none": sbh * (34 + r),
-        "tp": sbh * (10 + Fraction(24, t) + r / t),
-        "tp_sp": sbh / t * (34 + r),
-        "tp_selective": sbh * (10 + Fraction(24, t)),
-        "tp_sp_selective": 34 * sbh / t,
+        "none": sbh * (10 + c + r),
+        "tp": sbh * (10 + c / t + r / t),
+        "tp_sp": sbh / t * (10 + c + r),
+        "tp_selective": sbh * (10 + c / t),
+        "tp_sp_selective": (10 + c) * sbh / t,
         "full": 2 * sbh,
     }
     return rows[technique]
 
 
-def bytes_per_layer(technique: Technique, *, s: int, b: int, h: int, a: int, t: int = 1) -> Number:
+def bytes_per_layer(technique: Technique, *, s: int, b: int, h: int, a: int, t: int = 1, kv_heads: int | None = None,
+                    ffn_hidden: int | None = None, mlp: Mlp = "gelu") -> Number:
     """Activation bytes one transformer layer stores per GPU: the closed forms of Table 2.
 
     none: sbh(34 + 5as/h); tp: sbh(10 + 24/t + 5as/(ht)); tp_sp: (sbh/t)(34 + 5as/h);
-    tp_selective: sbh(10 + 24/t); tp_sp_selective: 34sbh/t; full: 2sbh.
+    tp_selective: sbh(10 + 24/t); tp_sp_selective: 34sbh/t; full: 2sbh. With ``kv_heads``,
+    ``ffn_hidden`` or ``mlp="swiglu"``, 24 becomes :func:`split_coefficient` ``c`` and 34 ``10 + c``.
     """
     _check(technique, s=s, b=b, h=h, a=a, t=t)
-    return _out(_per_layer(technique, s, b, h, a, t))
+    c = split_coefficient(h=h, a=a, kv_heads=kv_heads, ffn_hidden=ffn_hidden, mlp=mlp)
+    return _out(_per_layer(technique, s, b, h, a, t, c))
 
 
-def ratio_to_tp(technique: Technique, *, s: int, b: int, h: int, a: int, t: int) -> float:
+def ratio_to_tp(technique: Technique, *, s: int, b: int, h: int, a: int, t: int, kv_heads: int | None = None,
+                ffn_hidden: int | None = None, mlp: Mlp = "gelu") -> float:
     """Per-layer bytes of ``technique`` over the TP baseline (Figure 7's bars, as a fraction)."""
     _check(technique, s=s, b=b, h=h, a=a, t=t)
-    return float(_per_layer(technique, s, b, h, a, t) / _per_layer("tp", s, b, h, a, t))
+    c = split_coefficient(h=h, a=a, kv_heads=kv_heads, ffn_hidden=ffn_hidden, mlp=mlp)
+    return float(_per_layer(technique, s, b, h, a, t, c) / _per_layer("tp", s, b, h, a, t, c))
 
 
 def attention_score_share(*, s: int, h: int, a: int) -> float:
@@ -179,6 +212,9 @@ class ModelShape:
     t: int  # tensor-parallel size
     p: int = 1  # pipeline-parallel size
     m: int = 1  # interleaved model chunks per pipeline stage (1 = plain 1F1B)
+    g: int | None = None  # key/value heads (grouped-query attention); None = a
+    f: int | None = None  # MLP width; None = 4h
+    mlp: Mlp = "gelu"
 
     def __post_init__(self) -> None:
         dims = {k: getattr(self, k) for k in ("s", "b", "h", "a", "L", "v", "t", "p", "m")}
@@ -187,6 +223,17 @@ class ModelShape:
             raise ValueError(f"ModelShape {self.name!r}: dimensions must be positive ints, got {bad}")
         if self.h % self.a:
             raise ValueError(f"ModelShape {self.name!r}: hidden {self.h} not divisible by heads {self.a}")
+        _sbh_terms(self.h, self.a, self.g, self.f, self.mlp)  # checks g, f, mlp
+        if self.g == self.a:  # one spelling per shape, so equal shapes compare equal
+            object.__setattr__(self, "g", None)
+        if self.f == 4 * self.h and self.mlp == "gelu":
+            object.__setattr__(self, "f", None)
+
+    @property
+    def layer_dims(self) -> dict:
+        """Keyword arguments of :func:`bytes_per_layer` / :func:`activation_breakdown` for this shape."""
+        return dict(s=self.s, b=self.b, h=self.h, a=self.a, t=self.t, kv_heads=self.g, ffn_hidden=self.f,
+                    mlp=self.mlp)
 
 
 def per_gpu_bytes(shape: ModelShape, technique: Technique) -> Number:
@@ -195,7 +242,8 @@ def per_gpu_bytes(shape: ModelShape, technique: Technique) -> Number:
     The §4.3 terms outside the layers are left out, as for the paper's Figure 1 and Figure 7.
     """
     _check(technique, s=shape.s, b=shape.b, h=shape.h, a=shape.a, t=shape.t)
-    per_layer = _per_layer(technique, shape.s, shape.b, shape.h, shape.a, shape.t)
+    c = split_coefficient(h=shape.h, a=shape.a, kv_heads=shape.g, ffn_hidden=shape.f, mlp=shape.mlp)
+    per_layer = _per_layer(technique, shape.s, shape.b, shape.h, shape.a, shape.t, c)
     return _out(per_layer * shape.L * _interleave(shape.p, shape.m))
 
 
@@ -223,7 +271,8 @@ def shape_of(name: str, sections: dict) -> ModelShape:
     """The ``ModelShape`` of the sections returned by :func:`load_sections`."""
     model, par, train = sections["model"], sections["parallel"], sections["train"]
     return ModelShape(name=name, s=model.seq_len, b=train.micro_batch, h=model.hidden, a=model.heads,
-                      L=model.layers, v=model.vocab_size, t=par.tp, p=par.pp, m=par.virtual_stages)
+                      L=model.layers, v=model.vocab_size, t=par.tp, p=par.pp, m=par.virtual_stages,
+                      g=model.kv_heads, f=model.ffn_hidden, mlp=model.mlp)
 
 
 def load_shape(path: str | Path) -> ModelShape:

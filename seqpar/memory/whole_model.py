@@ -7,6 +7,14 @@ dropout output); fp32 activations take 4 bytes where Table 2 counts 2; full reco
 input per checkpointed unit of layers; and the §4.3 terms outside the layers (embedding dropout
 mask, final LayerNorm input, output-layer input, fp32 logits) are added. LayerNorm statistics
 and integer token ids are small and left out, as in the paper.
+
+The Llama family generalises three terms (derivation in ``docs/memory.md``): RMSNorm keeps its
+input like LayerNorm (only the small per-token statistics differ: no mean); grouped-query
+attention keeps K and V of ``g`` heads, ``2sbh g/a`` each; SwiGLU keeps the fused gate and up
+(``4sbf``) where GeLU keeps its input (``2sbf``), and both keep the fc2 input (``2sbf``), with
+the MLP width ``f`` from the config. RoPE adds nothing: it runs outside the selectively
+recomputed region and returns the Q, K, V that attention keeps anyway. The fp32 logits have the
+padded vocabulary's columns.
 """
 from __future__ import annotations
 
@@ -20,14 +28,18 @@ def _layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective:
     """One layer's kept tensors in bytes (Table 2's derivation, PAPER.md), as this config runs."""
     h, a = cfg.hidden, cfg.heads
     sbh, scores = Fraction(s * b * h), Fraction(a * s * s * b)
+    kv, ffn = Fraction(cfg.num_kv_heads, a), Fraction(cfg.ffn_hidden, h)  # g/a and f/h
     rep = t if cfg.sequence_parallel else 1  # the terms plain TP leaves replicated: SP splits them too
     u = Fraction(act, 2)  # Table 2 counts 2-byte activations
     terms = {
         "layernorm_inputs": 4 * sbh * u / rep, "qkv_input": 2 * sbh * u / rep, "fc1_input": 2 * sbh * u / rep,
-        "q_k": 4 * sbh * u / t, "v": 2 * sbh * u / t, "projection_input": 2 * sbh * u / t,
-        "gelu_input": 8 * sbh * u * cfg.ffn_hidden / (4 * h) / t,
-        "fc2_input": 8 * sbh * u * cfg.ffn_hidden / (4 * h) / t,
+        "q_k": (2 + 2 * kv) * sbh * u / t, "v": 2 * kv * sbh * u / t, "projection_input": 2 * sbh * u / t,
+        "fc2_input": 2 * ffn * sbh * u / t,
     }
+    if cfg.mlp == "swiglu":
+        terms["swiglu_gate_up"] = 4 * ffn * sbh * u / t
+    else:
+        terms["gelu_input"] = 2 * ffn * sbh * u / t
     if cfg.dropout > 0:
         terms["dropout_masks"] = 2 * sbh / rep  # 1 byte each, post-attention and post-MLP
     if not selective:
@@ -41,7 +53,7 @@ def _extra_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int) -> dict[st
     """§4.3: outside the layers (one pipeline stage holding both ends)."""
     sbh, rep, u = Fraction(s * b * cfg.hidden), (t if cfg.sequence_parallel else 1), Fraction(act, 2)
     terms = {"final_layernorm_input": 2 * sbh * u / rep, "output_layer_input": 2 * sbh * u / rep,
-             "logits_fp32": Fraction(4 * s * b * cfg.vocab_size, t)}
+             "logits_fp32": Fraction(4 * s * b * cfg.padded_vocab(t), t)}
     if cfg.dropout > 0:
         terms["embedding_dropout_mask"] = sbh / rep
     return terms
