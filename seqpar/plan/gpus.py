@@ -53,6 +53,7 @@ GEMM_K_OVERHEAD = 245      # K0: per-tile prologue/epilogue cost, in reduction s
 HBM_EFFICIENCY = 0.80
 NVLINK_EFFICIENCY = 0.78
 IB_EFFICIENCY = 0.90
+FP32_SCALE = 0.5           # fp32 GEMMs run as TF32 at half the bf16 tensor-core rate (A100, H100, H200)
 GEMM_TILE = (256, 128)     # output tile of the large cuBLAS bf16 kernels (rows, columns)
 COLLECTIVE_LATENCY_S = 15e-6  # fixed cost of one NCCL collective inside a node (nccl-tests, small sizes)
 P2P_LATENCY_S = 100e-6     # one exchange between pipeline stages: NCCL's inter-node send/recv latency
@@ -78,12 +79,13 @@ class GPU:
     ib_efficiency: float = IB_EFFICIENCY
     collective_latency: float = COLLECTIVE_LATENCY_S
     p2p_latency: float = P2P_LATENCY_S
+    fp32_scale: float = FP32_SCALE   # fp32 GEMM rate / bf16 rate
     tile: tuple[int, int] = GEMM_TILE
 
     def __post_init__(self) -> None:
         positive = {k: getattr(self, k) for k in ("peak_flops", "hbm_bytes", "hbm_bw", "nvlink_bw", "ib_bw",
                                                    "sms", "gemm_efficiency", "hbm_efficiency",
-                                                   "nvlink_efficiency", "ib_efficiency")}
+                                                   "nvlink_efficiency", "ib_efficiency", "fp32_scale")}
         bad = {k: v for k, v in positive.items() if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)}
         if bad:
             raise ValueError(f"GPU {self.name!r}: values must be finite and > 0, got {bad}")

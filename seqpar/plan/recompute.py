@@ -17,6 +17,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
+from ..config import ParallelConfig, TrainConfig
 from ..memory.formulas import load_sections
 from ..model.config import GPTConfig
 from . import dims
@@ -89,29 +90,35 @@ def layer_modes(recompute: Recompute, layers: int, pp: int = 1, virtual_stages: 
     return out
 
 
-def recompute_layers(config: str | Path, budget_gib: float, *, precision: str = "bf16",
-                     global_batch: int | None = None) -> list[Mode]:
-    """``model.recompute: auto``: the per-layer modes for a run config under ``budget_gib`` per GPU.
-
-    The layout is the config's (``parallel.tp/pp/virtual_stages/dp``, ``train.micro_batch``,
-    ``model.sequence_parallel``); ``global_batch`` defaults to ``train.global_batch`` or
-    ``micro_batch x dp``. Raises ``ValueError`` naming the budget and what all-full needs if nothing fits.
-    """
+def auto_recompute_layers(model: GPTConfig, parallel: ParallelConfig, train: TrainConfig, budget_gib: float,
+                          precision: str = "bf16", global_batch: int | None = None) -> list[Mode]:
+    """``model.recompute: auto`` for loaded config sections: the per-layer modes under ``budget_gib``
+    per GPU. The layout is ``parallel.tp/pp/virtual_stages/dp``, ``train.micro_batch`` and
+    ``model.sequence_parallel``; ``global_batch`` defaults to ``train.global_batch`` or
+    ``micro_batch x dp``. Raises ``ValueError`` naming the budget and what all-full needs if nothing fits."""
     if not (isinstance(budget_gib, (int, float)) and math.isfinite(budget_gib) and budget_gib > 0):
         raise ValueError(f"memory budget must be a positive number of GiB, got {budget_gib!r}")
-    _, sections = load_sections(config)
-    model, par, train = sections["model"], sections["parallel"], sections["train"]
-    dp = par.dp or 1
-    layout = Layout(tp=par.tp, pp=par.pp, dp=dp, virtual_stages=par.virtual_stages, micro_batch=train.micro_batch,
-                    sequence_parallel=model.sequence_parallel and par.tp > 1)
+    dp = parallel.dp or 1
+    layout = Layout(tp=parallel.tp, pp=parallel.pp, dp=dp, virtual_stages=parallel.virtual_stages,
+                    micro_batch=train.micro_batch, sequence_parallel=model.sequence_parallel and parallel.tp > 1)
     batch = global_batch or train.global_batch or train.micro_batch * dp
     mix = best_mix(model, layout, budget_gib * GIB, batch, precision)
     if mix is None:
-        need = memory_per_gpu(model, replace(layout, recompute=Recompute("full")), budget_gib * GIB, batch,
-                              precision)
-        raise ValueError(f"memory budget {budget_gib} GiB is too small for {config}: even full recompute of every "
-                         f"layer needs {need.total / GIB:.2f} GiB per GPU")
-    return layer_modes(mix, model.layers, par.pp, par.virtual_stages)
+        need = memory_per_gpu(model, replace(layout, recompute=Recompute("full")), budget_gib * GIB, batch, precision)
+        raise ValueError(f"memory budget {budget_gib} GiB is too small: even full recompute of every layer needs "
+                         f"{need.total / GIB:.2f} GiB per GPU")
+    return layer_modes(mix, model.layers, parallel.pp, parallel.virtual_stages)
 
 
-__all__ = ["best_mix", "layer_modes", "recompute_flops", "recompute_layers", "stage_layer_ids"]
+def recompute_layers(config: str | Path, budget_gib: float, *, precision: str = "bf16",
+                     global_batch: int | None = None) -> list[Mode]:
+    """:func:`auto_recompute_layers` for a run config file or shipped name (``paper/22b``)."""
+    _, sections = load_sections(config)
+    try:
+        return auto_recompute_layers(sections["model"], sections["parallel"], sections["train"], budget_gib,
+                                     precision, global_batch)
+    except ValueError as err:
+        raise ValueError(f"{config}: {err}") from None
+
+
+__all__ = ["auto_recompute_layers", "best_mix", "layer_modes", "recompute_flops", "recompute_layers", "stage_layer_ids"]

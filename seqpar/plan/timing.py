@@ -15,17 +15,21 @@ One layer, one micro-batch, one GPU (:func:`layer_times`):
   (:mod:`seqpar.layers.linear`): TP all-reduces each column layer's input gradient behind its
   weight-gradient GEMM; SP all-gathers the output gradient of each row layer (exposed), re-gathers
   the column layer's input shard behind the input-gradient GEMM and reduce-scatters the input
-  gradient behind the weight-gradient GEMM. Only what outlasts the GEMM it hides behind counts.
+  gradient behind the weight-gradient GEMM. Only what outlasts the GEMM it hides behind counts,
+  plus a fixed latency per exposed collective (``GPU.collective_latency``).
 * Recompute: selective repeats the attention core's GEMMs, softmax and dropout; full repeats the
   whole forward, its collectives included.
 
-One step (:func:`step_time`): the busiest stage's time per micro-batch (its layers, the logits and
-cross-entropy on the last stage, 2m point-to-point sends of ``[s/t, b, h]`` between stages, exposed
-as in Megatron's schedules) times ``n + (p-1)/m`` (``n`` micro-batches; the bubble is
-``(p-1)/(m n)`` of the ideal time); the data-parallel gradient all-reduce (fp32) over the dp group
-minus the backward of the last micro-batch it overlaps (DDP buckets), or FSDP's per-micro-batch
-gathers and reduce-scatters beyond the compute they overlap; and the optimizer step, memory-bound
-at :data:`OPTIMIZER_BYTES_PER_PARAM`.
+One step (:func:`step_time`): ``n`` micro-batches at the pace of the slowest stage, the last (its
+layers, the logits and cross-entropy, 2m point-to-point exchanges of ``[s/t, b, h]`` with their
+``GPU.p2p_latency``, exposed as in Megatron's schedules); the bubble, ``(p-1)/m`` of the other
+stages' time per micro-batch, i.e. ``(p-1)/(m n)`` of the ideal time; the data-parallel gradient
+all-reduce (fp32) over the dp group minus the backward of the last micro-batch it overlaps (DDP
+buckets), or FSDP's per-micro-batch gathers and reduce-scatters beyond the compute they overlap;
+and the optimizer step, memory-bound at :data:`OPTIMIZER_BYTES_PER_PARAM`. Left out: host-side
+launch overhead, the vocabulary-parallel cross-entropy's small all-reduces, the embedding
+gradient, and accumulating each micro-batch's weight gradients into fp32 (fused into the
+weight-gradient GEMM as in the paper's implementation; seqpar's bf16 recipe adds a separate pass).
 
 Calibration: the two GEMM constants of :mod:`seqpar.plan.gpus` were fitted once, to Table 4 only
 (:mod:`seqpar.plan.calibrate`); Table 5's eight iteration times and four MFUs are predictions.
@@ -45,7 +49,10 @@ from .memory import ACTIVATION_BYTES, layer_params, stage_params
 # the bf16 compute copy reads 4 and writes 2, zeroing the fp32 gradients writes 4
 OPTIMIZER_BYTES_PER_PARAM = {"bf16": 4 + 28 + 6 + 4, "fp32": 4 + 28 + 4}
 CROSS_ENTROPY_BYTES_PER_LOGIT = 24  # fp32 logits: cast, max, exp-sum, loss, gradient (about 6 passes of 4 bytes)
-PEAK_SCALE = {"bf16": 1.0, "fp32": 0.5}  # fp32 GEMMs run as TF32 at half the bf16 peak (A100, H100)
+
+
+def _peak_scale(gpu: GPU, precision: str) -> float:
+    return gpu.fp32_scale if precision == "fp32" else 1.0
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,7 @@ def layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str = "bf
 
 def _layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str) -> LayerTimes:
     s, b, h, t, f = model.seq_len, layout.micro_batch, model.hidden, layout.tp, model.ffn_hidden
-    sb, ps = s * b, PEAK_SCALE[precision]
+    sb, ps = s * b, _peak_scale(gpu, precision)
     qkv = gemm_fwd_bwd(gpu, sb, dims.qkv_width(model) // t, h, 1, ps)
     proj = gemm_fwd_bwd(gpu, sb, h, h // t, 1, ps)
     fc1, fc2 = gemm_fwd_bwd(gpu, sb, dims.fc1_width(model) // t, h, 1, ps), gemm_fwd_bwd(gpu, sb, h, f // t, 1, ps)
@@ -167,7 +174,7 @@ def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpu
     counts = layout.recompute.per_stage(model.layers // (p * m), m)
     backward_mb = sum(k * (lt.backward + lt.recompute[mode]) for mode, k in counts.items())
     layers_mb = backward_mb + sum(counts.values()) * lt.forward
-    logits = gemm_fwd_bwd(gpu, s * b, v // t, h, 1, PEAK_SCALE[precision])
+    logits = gemm_fwd_bwd(gpu, s * b, v // t, h, 1, _peak_scale(gpu, precision))
     logits_mb = sum(logits) + memory_seconds(gpu, CROSS_ENTROPY_BYTES_PER_LOGIT * s * b * v / t)
     p2p_mb = 0.0
     if p > 1:
