@@ -18,7 +18,7 @@ def _clip_at_tp2(rank, world, max_norm):
     model = GPT(cfg, mesh_for(tp_group_of(2)), seed=5)
     loss_and_dense_grads(model, *batch(cfg, b=2, seed=1))
     norm = clip_grad_norm_tp(model, max_norm, model.tp_group)
-    return norm, model.to_dense({n: p.grad for n, p in model.named_parameters()})
+    return float(norm), model.to_dense({n: p.grad for n, p in model.named_parameters()})
 
 
 def test_clip_grad_norm_tp_equals_torch_on_the_dense_model(spawn):

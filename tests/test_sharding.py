@@ -76,7 +76,7 @@ def _fused_layer_rank(rank, world):
     gathered = to_dense(model, params, group)
     round_trip = to_local(model, gathered, group)
     grads = to_dense(model, {n: p.grad for n, p in params.items()}, group)
-    norm = clip_grad_norm_tp(model, 0.5, group)
+    norm = float(clip_grad_norm_tp(model, 0.5, group))
     clipped = to_dense(model, {n: p.grad for n, p in params.items()}, group)
     return dict(out=out.detach(), gathered=gathered, round_trip_ok=all(torch.equal(round_trip[n], params[n].detach())
                                                                       for n in params),

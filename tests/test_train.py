@@ -199,8 +199,9 @@ def test_checkpoint_metadata_cannot_run_code(tmp_path):
         SafeReader(tmp_path).read_metadata()
 
 
-def test_bf16_autocast_on_cpu_trains(spawn, tmp_path):
-    ov = _overrides(tmp_path, **{"parallel.tp": 2, "train.steps": 6, "train.autocast": "bf16",
+@pytest.mark.parametrize("precision", ["bf16-autocast", "bf16"])
+def test_bf16_on_cpu_trains(spawn, tmp_path, precision):
+    ov = _overrides(tmp_path, **{"parallel.tp": 2, "train.steps": 6, "train.precision": precision,
                                  "model.recompute": "selective"})
     losses = spawn(_train, 2, ov, 2, 1)[0]["losses"]
     assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0]

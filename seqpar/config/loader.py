@@ -137,6 +137,14 @@ def _convert_sequence(tp: Any, value: Any, key: str) -> tuple | list:
     return tuple(items) if origin is tuple else items
 
 
+# keys that existed once -> what replaces them (a clear error instead of "unknown key")
+RENAMED = {
+    "train.autocast": "train.autocast was replaced by train.precision: bf16-autocast (the old autocast: bf16), "
+                      "bf16 (bf16 compute on fp32 master weights, as in the paper), fp32, or auto (bf16 on CUDA, "
+                      "fp32 on CPU)",
+}
+
+
 def from_dict(cls: type[T], data: dict, *, where: str = "") -> T:
     """Build dataclass ``cls`` from a plain nested dict, checking every key and type.
 
@@ -152,6 +160,9 @@ def from_dict(cls: type[T], data: dict, *, where: str = "") -> T:
                           f"got {show(data)} ({type(data).__name__})")
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
+    for k in unknown:
+        if _join(where, str(k)) in RENAMED:
+            raise ConfigError(RENAMED[_join(where, str(k))])
     if unknown:
         raise ConfigError(f"unknown key {show(_join(where, str(unknown[0])))} for {cls.__name__}; "
                           f"valid keys: {sorted(fields)}")

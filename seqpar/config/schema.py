@@ -84,7 +84,9 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0       # global norm, TP-aware; 0 disables
     seed: int = 1234
-    autocast: Literal["auto", "bf16", "none"] = "auto"  # auto: bf16 on CUDA, none on CPU
+    # fp32 | bf16 (the paper: bf16 compute on fp32 master weights, fp32 grads and AdamW) |
+    # bf16-autocast (torch.autocast over fp32 parameters) | auto (bf16 on CUDA, fp32 on CPU)
+    precision: Literal["auto", "fp32", "bf16", "bf16-autocast"] = "auto"
     log_interval: int = 10
     eval_interval: int = 50      # 0 disables
     eval_batches: int = 4
@@ -105,7 +107,7 @@ class TrainConfig:
         for name, rule in (("beta1", "in [0, 1)"), ("beta2", "in [0, 1)"), ("weight_decay", ">= 0"),
                            ("grad_clip", ">= 0")):
             check_number(f"train.{name}", getattr(self, name), rule)
-        check_choice("train.autocast", self.autocast, ("auto", "bf16", "none"))
+        check_choice("train.precision", self.precision, ("auto", "fp32", "bf16", "bf16-autocast"))
         check_choice("train.nonfinite_grads", self.nonfinite_grads, ("stop", "skip"))
 
 

@@ -25,7 +25,9 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
             continue
         (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, foreach=True)
+    on_cuda = any(p.is_cuda for p in decay + no_decay)
+    kind = {"fused": True} if on_cuda else {"foreach": True}  # fused: one kernel for all params on CUDA
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, **kind)
 
 
 def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps: int) -> float:
@@ -38,23 +40,26 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
 
 
-def clip_grad_norm_tp(model: nn.Module, max_norm: float, tp_group: ProcessGroup | None) -> float:
+def clip_grad_norm_tp(model: nn.Module, max_norm: float, tp_group: ProcessGroup | None) -> torch.Tensor:
     """Global gradient L2 norm of the *full* model, computed across TP: squares of split
     parameters (as their layouts declare, :mod:`seqpar.sharding`) are summed over the TP group;
-    replicated parameters (identical on every TP rank after grad sync) are counted once. Scales grads in place when ``max_norm > 0`` and the norm
-    exceeds it. Returns the norm before clipping (identical on all ranks)."""
+    replicated parameters (identical on every TP rank after grad sync) are counted once. Scales
+    the grads in place by ``min(1, max_norm / (norm + 1e-6))`` when ``max_norm > 0``. Returns the
+    norm before clipping as a 0-dim tensor on the grads' device (identical on all ranks): per-tensor
+    norms by ``torch._foreach_norm`` (at least fp32) and the scale applied on the device, so the
+    step needs no host sync here."""
     sharded = split_parameters(model) if group_size(tp_group) > 1 else set()
-    grads = [p for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return 0.0
-    dev = grads[0].grad.device
-    sq = torch.zeros(2, dtype=torch.float64, device=dev)  # [sharded, replicated]
-    for p in grads:
-        sq[0 if id(p) in sharded else 1] += p.grad.detach().double().pow(2).sum()
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    grads = [p.grad.detach() for p in params]
+    acc = torch.promote_types(grads[0].dtype, torch.float32)
+    norms = torch.stack(torch._foreach_norm([g if g.dtype == acc else g.to(acc) for g in grads])) ** 2
+    split = torch.tensor([float(id(p) in sharded) for p in params], dtype=norms.dtype, device=norms.device)
+    sq = torch.stack([(norms * split).sum(), (norms * (1 - split)).sum()])  # [split, replicated]; no masks: no sync
     shard_sq = sq[0:1].clone()
     all_reduce(shard_sq, tp_group)
-    norm = float((shard_sq[0] + sq[1]).sqrt())
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        torch._foreach_mul_([p.grad for p in grads], scale)
+    norm = (shard_sq[0] + sq[1]).sqrt()
+    if max_norm > 0:
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
     return norm

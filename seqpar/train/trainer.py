@@ -23,7 +23,7 @@ import contextlib
 import math
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -34,10 +34,11 @@ import torch.distributed as dist
 
 from .. import flops
 from ..config import RunConfig, dump
+from ..distributed.collectives import all_reduce_coalesced
 from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh, init_parallel, validate_layout
-from ..memory.ledger import ActivationLedger
 from ..model import GPT
+from .activations import ActivationProbe
 from .batches import Batch, TokenBatches, eval_batches
 from .checkpoint import latest_checkpoint, load_checkpoint, open_checkpoint_dir, save_checkpoint
 from .data import Corpus, prepare_corpus
@@ -45,6 +46,7 @@ from .faults import StopRequest, check_finite_weights, check_tokenizer, nonfinit
 from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, clip_grad_norm_tp, lr_at
+from .precision import Precision
 
 @dataclass(frozen=True)
 class StepMetrics:
@@ -75,8 +77,8 @@ class Trainer:
             self._ckpt_dir = open_checkpoint_dir(cfg.checkpoint.dir, self.mesh.is_first)
             self._announce()
             self._setup_data()
+            self.precision = Precision(self.tc.precision, self.mesh.device)
             self._setup_model()
-            self.autocast = self._precision()
             self.throughput = self._throughput()
         except BaseException:
             self.logger.close()
@@ -86,8 +88,7 @@ class Trainer:
         self.history: dict = {"steps": [], "losses": [], "eval": [], "checkpoint": None, "skipped": []}
         self.start_step = 0  # first step this process runs (> 0 after a resume)
         self._stop: StopRequest | None = None  # installed by fit()
-        self._act_bytes: int | None = None  # activations saved for backward, measured once on CPU
-        self._mem_shown = False
+        self.activations = ActivationProbe(self.model, self.mesh.device)  # the first forward, measured
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -147,6 +148,7 @@ class Trainer:
         """GPT built from seqpar layers on the mesh, wrapped for data parallelism, then its optimizer."""
         tc = self.tc
         self.model = GPT(self.mc, self.mesh, seed=tc.seed)
+        self.precision.check_model(self.model)
         self.logger.print(f"parameters: {self.model.num_parameters():,} in the full model, "
                           f"{self.model.num_parameters(False):,} on this rank")
         self.dp_model = self._wrap_data_parallel(self.model)
@@ -154,19 +156,13 @@ class Trainer:
                                          betas=(tc.beta1, tc.beta2))
 
     def _wrap_data_parallel(self, model: GPT) -> torch.nn.Module:
-        """The module the training forward runs through: DDP over the dp group when dp > 1.
-        Parameters stay ``model``'s own, so the optimizer and checkpoints use ``model``."""
-        if self.dp == 1:
+        """The module the training forward runs through: DDP over the dp group when dp > 1 (the
+        bf16 recipe reduces its fp32 gradients itself, :meth:`forward_backward`). Parameters stay
+        ``model``'s own, so the optimizer and checkpoints use ``model``."""
+        if self.dp == 1 or self.precision.master_weights:
             return model
         from torch.nn.parallel import DistributedDataParallel
         return DistributedDataParallel(model, process_group=self.mesh.dp_group, broadcast_buffers=False)
-
-    def _precision(self) -> Callable[[], AbstractContextManager]:
-        """A factory of the context each forward runs in: bf16 autocast or nothing."""
-        tc, device = self.tc, self.mesh.device
-        if tc.autocast == "bf16" or (tc.autocast == "auto" and device.type == "cuda"):
-            return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext
 
     def _throughput(self) -> Throughput:
         """Tokens and model FLOPs per optimizer step (whole world) against the device's peak."""
@@ -189,9 +185,23 @@ class Trainer:
         """The ``accum`` micro-batches of optimizer step ``step`` on this dp rank, on the mesh device:
         this rank's share of the step's global batch, which depends only on seed and step. Their
         ids come from a corpus range-checked when opened, so no per-batch vocabulary check (a
-        host sync on GPUs) is needed."""
+        host sync on GPUs) is needed. On CUDA they were copied from pinned memory without
+        blocking, one step ahead (:meth:`prefetch`)."""
         self.batches.step = step + 1  # the stream position checkpoints record
-        return [(x.to(self.mesh.device), y.to(self.mesh.device)) for x, y in self.batches.step_batches(step)]
+        ahead, self._ahead = getattr(self, "_ahead", None), None
+        return ahead[1] if ahead is not None and ahead[0] == step else self._to_device(step)
+
+    def prefetch(self, step: int) -> None:
+        """Start copying step ``step``'s micro-batches to the GPU (CUDA only; a no-op elsewhere)."""
+        if self.mesh.device.type == "cuda" and step < self.tc.steps:
+            self._ahead = (step, self._to_device(step))
+
+    def _to_device(self, step: int) -> list[Batch]:
+        device = self.mesh.device
+        if device.type != "cuda":
+            return [(x.to(device), y.to(device)) for x, y in self.batches.step_batches(step)]
+        return [(x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
+                for x, y in self.batches.step_batches(step)]
 
     def _grad_sync(self, micro: int) -> AbstractContextManager:
         """DDP reduces over dp on the last micro-batch only; ``no_sync`` before it."""
@@ -199,36 +209,40 @@ class Trainer:
             return contextlib.nullcontext()
         return self.dp_model.no_sync()
 
-    def _ledger(self) -> ActivationLedger | None:
-        """An activation ledger for the first forward on CPU (the figure the log shows), else None."""
-        if self._act_bytes is None and self.mesh.device.type == "cpu":
-            return ActivationLedger(self.model)
-        return None
-
     def forward_backward(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
-        """Forward and backward over ``micro_batches``, each loss scaled by 1/accum so the grads are
-        the step's mean. Returns this rank's mean loss (float64 scalar on the CPU)."""
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        """Forward and backward over ``micro_batches`` in the run's precision, each loss scaled by
+        1/accum so the grads are the step's mean; under the bf16 recipe each micro-batch's bf16
+        grads are added into the fp32 masters and reduced over dp in fp32 afterwards. Returns this
+        rank's mean loss as a float64 scalar on the mesh device (no host sync)."""
+        prec = self.precision
+        weights = prec.compute_weights(self.model)  # bf16 copies, once per optimizer step (bf16 only)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for micro, (tokens, labels) in enumerate(micro_batches):
-            ledger = self._ledger()
-            with self._grad_sync(micro):
-                with self.autocast(), (ledger or contextlib.nullcontext()):
+            with self._grad_sync(micro), prec.weights_in(self.model, weights):
+                with prec.autocast(), self.activations.measure():
                     loss = self.dp_model(tokens, labels)
                 (loss / self.accum).backward()
-            if ledger is not None:
-                self._act_bytes = ledger.total()
-            loss_sum += loss.detach().double().cpu() / self.accum
+            prec.accumulate(self.model, weights)
+            loss_sum += loss.detach().double() / self.accum
+        if weights is not None:
+            all_reduce_coalesced([p.grad for p in self.model.parameters() if p.grad is not None],
+                                 self.mesh.dp_group, mean=True)
         return loss_sum
 
-    def agree(self, loss_sum: torch.Tensor, stop: bool, finite: bool = True) -> tuple[float, bool, bool]:
-        """One world all-reduce: the mean of ``loss_sum`` over the world (= over dp; TP replicas
-        agree), whether any rank passed ``stop`` and whether every rank passed ``finite``.
-        Returns ``(loss, stop, finite)``, identical on all ranks."""
-        flag = torch.tensor([loss_sum.item(), float(stop), float(not finite)], dtype=torch.float64)
+    def agree(self, loss_sum: torch.Tensor, stop: bool, grad_norm: torch.Tensor | None = None
+              ) -> tuple[float, bool, bool, float]:
+        """One world all-reduce and one host read per step: the mean of ``loss_sum`` over the world
+        (= over dp; TP replicas agree), whether any rank passed ``stop`` and whether ``grad_norm``
+        is finite on every rank. Returns ``(loss, stop, finite, grad_norm)``, identical on all ranks."""
+        device = loss_sum.device
+        norm = torch.zeros((), device=device) if grad_norm is None else grad_norm.detach().to(device)
+        flag = torch.stack([loss_sum.double(), torch.tensor(float(stop), dtype=torch.float64, device=device),
+                            (~torch.isfinite(norm)).double()])
         if dist.is_initialized():
             dist.all_reduce(flag)
             flag[0] /= dist.get_world_size()
-        return float(flag[0]), bool(flag[1] > 0), not flag[2] > 0
+        loss, stops, nonfinite, gnorm = torch.cat([flag, norm.double().view(1)]).tolist()
+        return loss, stops > 0, not nonfinite > 0, gnorm
 
     @property
     def stop_requested(self) -> bool:
@@ -242,9 +256,10 @@ class Trainer:
         ``skip`` the grads are dropped and the step counted in ``history["skipped"]``."""
         lr = self.set_lr(step)
         loss_sum = self.forward_backward(self.micro_batches(step))
+        self.prefetch(step + 1)  # overlaps the next step's host-to-device copies with this one's tail
         sync_sp_replicated_grads(self.model, self.mesh.tp_group)
         grad_norm = clip_grad_norm_tp(self.model, self.tc.grad_clip, self.mesh.tp_group)
-        loss, stop, finite = self.agree(loss_sum, self.stop_requested, math.isfinite(grad_norm))
+        loss, stop, finite, grad_norm = self.agree(loss_sum, self.stop_requested, grad_norm)
         grad_norm = grad_norm if finite else float("nan")  # the same on every rank
         skipped = not (finite and math.isfinite(loss))
         if skipped and self.tc.nonfinite_grads == "stop":
@@ -268,12 +283,12 @@ class Trainer:
             raise ValueError(f"no eval batches: train.eval_interval is {self.tc.eval_interval} or the held-out "
                              f"split (data.eval_fraction={self.cfg.data.eval_fraction}) is shorter than "
                              f"seq_len + 1 = {self.mc.seq_len + 1} tokens")
-        device = self.mesh.device
+        device, prec = self.mesh.device, self.precision
         self.model.eval()
-        total = torch.zeros((), dtype=torch.float64)
-        for tokens, labels in self.evals:
-            with self.autocast():
-                total += self.model(tokens.to(device), labels.to(device)).double().cpu()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        with prec.weights_in(self.model, prec.compute_weights(self.model)), prec.autocast():
+            for tokens, labels in self.evals:
+                total += self.model(tokens.to(device), labels.to(device)).double()
         self.model.train()
         total /= len(self.evals)
         if dist.is_initialized():
@@ -316,11 +331,6 @@ class Trainer:
 
     # ---- the loop ------------------------------------------------------------------------------
 
-    def _memory(self) -> str:
-        if self.mesh.device.type == "cuda":
-            return f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB peak"
-        return f"{(self._act_bytes or 0) / 2**20:.1f} MiB saved activations"
-
     def log_step(self, done: int, m: StepMetrics, seconds: float) -> None:
         """Count the step's ``seconds``; on log steps print one line with the mean throughput since
         the last line, and the memory line (every time on CUDA, once on CPU)."""
@@ -330,9 +340,8 @@ class Trainer:
         skipped = {"skipped steps": len(self.history["skipped"])} if self.history["skipped"] else {}
         self.logger.log(done, {"loss": m.loss, "lr": m.lr, "grad norm": m.grad_norm, **skipped,
                                **self.throughput.report()})
-        if self.mesh.device.type == "cuda" or not self._mem_shown:  # the CPU figure is measured once
-            self.logger.print(f"           memory: {self._memory()}")
-            self._mem_shown = True
+        if self.mesh.device.type == "cuda":
+            self.logger.print(f"           memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB peak")
 
     def _after_step(self, done: int, m: StepMetrics) -> None:
         """Evaluate and checkpoint when due (a stop request forces a checkpoint)."""
@@ -357,6 +366,10 @@ class Trainer:
                 m = self.train_step(step)
                 self.history["steps"].append(step + 1)
                 self.history["losses"].append(m.loss)
+                if step == self.start_step:  # measured during this first step; printed once
+                    self.logger.print(self.activations.line(self.mc, t=self.mesh.tp_size,
+                                                            micro_batch=self.tc.micro_batch,
+                                                            activation_bytes=self.precision.activation_bytes))
                 self.log_step(step + 1, m, time.perf_counter() - t0)
                 self._after_step(step + 1, m)
                 if m.stop:
