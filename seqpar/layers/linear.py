@@ -185,7 +185,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
     Plain TP: input ``[s, b, in]`` identical on all ranks -> ``[s, b, out/t]``.
     SP (``sequence_parallel=True``): input ``[s/t, b, in]`` -> ``[s, b, out/t]``; the all-gather
     (paper's g) is fused into the matmul and only the shard is kept for backward.
-    ``chunks=c``: the output is ``c`` fused blocks (``[q; k; v]``: 3) split over TP separately, so
+    ``chunks=c``: the output is ``c`` fused blocks (``[q; k; v]``: 3; unequal blocks as a tuple of
+    relative sizes, e.g. grouped-query ``(a, g, g)``) split over TP separately, so
     rank ``r`` computes its part of each block. ``gather_output=True`` all-gathers the output's
     last dim to ``[s, b, out]`` (in this rank-major order when ``chunks > 1``).
     """
@@ -193,14 +194,16 @@ class ColumnParallelLinear(_ParallelLinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group: ProcessGroup | None = None,
                  sequence_parallel: bool = False, gather_output: bool = False, dtype: torch.dtype | None = None,
                  device=None, init_method: InitMethod | None = None, per_shard_init: bool = False, seq_dim: int = 0,
-                 chunks: int = 1):
+                 chunks: int | tuple[int, ...] = 1):
         super().__init__()
         self._setup(in_features, out_features, tp_group, sequence_parallel, seq_dim)
-        if chunks < 1:
-            raise ValueError(f"ColumnParallelLinear: chunks must be >= 1, got {chunks}")
-        check_divisible(out_features, self.tp_size * chunks, f"ColumnParallelLinear out_features (t x chunks={chunks})")
+        layout = ParamLayout(split_dim=0, chunks=chunks)  # validates chunks
+        try:
+            layout.chunk_sizes(out_features, self.tp_size)
+        except ValueError:
+            raise ValueError(f"ColumnParallelLinear: out_features {out_features} is not divisible by t={self.tp_size} "
+                             f"x chunks={chunks}") from None
         self.gather_output, self.chunks = gather_output, chunks
-        layout = ParamLayout(split_dim=0, chunks=chunks)
         self.weight = build_param((out_features, in_features), layout, self.tp_rank, self.tp_size,
                                   init_method or default_linear_init, dtype=dtype, device=device,
                                   per_shard_init=per_shard_init)
