@@ -1,6 +1,6 @@
 """The planner's step-time predictions against measured steps, on 2 CPU gloo ranks of this machine.
 
-    python scripts/bench/plan_vs_measured.py [--steps 4]
+    python scripts/bench/plan_vs_measured.py [--steps 8]
 
 Two small models, each trained for a few steps per layout on 2 ranks (global batch 4, micro-batch 2):
 
@@ -168,7 +168,7 @@ def experiment(name: str, shape: dict, layouts: list[tuple[int, str]], steps: in
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=4, help="measured rounds (one step per layout each, after a warm-up)")
+    p.add_argument("--steps", type=int, default=8, help="measured rounds (one step per layout each, after a warm-up)")
     args = p.parse_args(argv)
     same = [experiment(name, shape, layouts, args.steps) for name, (shape, layouts) in EXPERIMENTS.items()]
     print(f"\nsame order in {sum(same)} of {len(same)} comparisons")

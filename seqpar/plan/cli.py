@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"need positive integers, got {', '.join(bad)}")
     if args.png is not None and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--png needs matplotlib: pip install matplotlib")
+        raise ValueError("--png needs matplotlib: pip install matplotlib (or pip install 'seqpar[plot]')")
     gpu = _gpu(args)
     path, sections = load_sections(args.config)
     batch = args.global_batch or sections["train"].global_batch
