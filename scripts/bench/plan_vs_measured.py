@@ -11,7 +11,7 @@ Two small models, each trained for a few steps per layout on 2 ranks (global bat
   rank) and t = 2 (SP: half of both).
 
 Before each, both ranks measure this machine as the planner's device (fastest of several calls): the fp32 GEMM rate at two
-reduction lengths (the hidden size and the head dim; from them the peak and K0 of
+reduction lengths (4h and the head dim; from them the peak and K0 of
 ``seqpar.plan.kernels``, with E = 1 and one SM), the bandwidth of an elementwise add and gloo's
 all-reduce bandwidth and latency between the ranks. Prints predicted against measured seconds
 per step (the fastest of ``--steps`` rounds; the layouts take turns, one step each per round, so
@@ -56,9 +56,9 @@ def _best(fn, repeats: int = 5) -> float:
 
 
 def _rates(cfg: GPTConfig, world: int) -> dict[str, float]:
-    """Measured on each rank at once: GEMM FLOP/s at K = h and K = head dim, elementwise bytes/s,
-    gloo all-reduce bus bandwidth and latency."""
-    m, n, k, d = cfg.seq_len * MICRO_BATCH, cfg.hidden, cfg.hidden, cfg.head_dim
+    """Measured on each rank at once: GEMM FLOP/s at K = 4h (the longest dense reduction) and K = head
+    dim (the attention core's), elementwise bytes/s, gloo all-reduce bus bandwidth and latency."""
+    m, n, k, d = cfg.seq_len * MICRO_BATCH, cfg.hidden, 4 * cfg.hidden, cfg.head_dim
     a, b = torch.randn(m, k), torch.randn(k, n)
     c, e = torch.randn(16, m, d), torch.randn(16, d, m // 4)
     x, y, z = torch.randn(8 << 20), torch.randn(8 << 20), torch.empty(8 << 20)
@@ -147,7 +147,7 @@ def experiment(name: str, shape: dict, layouts: list[tuple[int, str]], steps: in
     cfgs = [(t, replace(base, recompute=rc, sequence_parallel=t > 1)) for t, rc in layouts]
     ranks = run_local(_rank, 2, cfgs, steps, timeout=None)
     worst = {k: (max if k == "gloo_latency" else min)(r[0][k] for r in ranks) for k in ranks[0][0]}
-    device = cpu_device(worst, base.hidden, base.head_dim)
+    device = cpu_device(worst, 4 * base.hidden, base.head_dim)
     print(f"\n## {name}: {shape}, micro-batch {MICRO_BATCH}, global batch {GLOBAL_BATCH}, fp32, 2 gloo ranks")
     print(f"device: GEMM peak {device.peak_flops / 1e9:.1f} GFLOP/s per rank, K0 {device.gemm_k_overhead:.0f}, "
           f"memory {device.hbm_bw / 1e9:.1f} GB/s, gloo {device.nvlink_bw / 1e9:.2f} GB/s + "

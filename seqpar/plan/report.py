@@ -118,8 +118,11 @@ def plot(ranked: Sequence[Candidate], path: str | Path, title: str) -> None:
         left = [a + w for a, w in zip(left, widths)]
     mem_ax.axvline(ranked[0].memory.capacity / GIB, color="k", linestyle="--", linewidth=1, label="capacity")
     mem_ax.set_xlabel("GiB per GPU")
-    mem_ax.legend(loc="lower right", fontsize=8)
-    time_ax.barh(labels, [c.time.seconds for c in ranked][::-1], color="tab:gray")
+    mem_ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=4, fontsize=8)
+    seconds = [c.time.seconds for c in ranked][::-1]
+    bars = time_ax.barh(labels, seconds, color="tab:gray")
+    time_ax.bar_label(bars, labels=[f"{x:.2f} s" for x in seconds], fontsize=8)
+    time_ax.margins(x=0.15)
     time_ax.set_xlabel("predicted step time (s)")
     fig.suptitle(title)
     fig.tight_layout()
