@@ -1,4 +1,4 @@
 """Conversion between seqpar's GPT and other model formats (``transformers`` imported lazily)."""
-from . import gpt2
+from . import gpt2, llama
 
-__all__ = ["gpt2"]
+__all__ = ["gpt2", "llama"]

@@ -152,7 +152,8 @@ class GPT(nn.Module):
         if self.config.sequence_parallel and s % self.tp_size:
             raise ValueError(f"sequence length {s} is not divisible by t={self.tp_size} (sequence parallelism)")
         v = self.config.vocab_size  # the padded rows must never be looked up (CUDA: left to the data checks)
-        if tokens.device.type == "cpu" and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
+        on_cpu = tokens.device.type == "cpu" and not torch.compiler.is_compiling()
+        if on_cpu and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
             raise ValueError(f"token ids must lie in [0, {v}) (vocab_size), got min {int(tokens.min())} "
                              f"max {int(tokens.max())}")
 

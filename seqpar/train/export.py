@@ -1,0 +1,168 @@
+"""``seqpar export CHECKPOINT OUT --format hf``: a seqpar checkpoint as a Hugging Face model folder.
+
+``OUT`` gets ``config.json`` (a ``GPT2Config`` or ``LlamaConfig``), ``model.safetensors`` and the
+checkpoint's ``tokenizer.json`` when it has one, so ``transformers.AutoModelForCausalLM
+.from_pretrained(OUT)`` loads it. The family follows the model config: LayerNorm + learned
+positions + GeLU with biases is GPT-2, RMSNorm + RoPE + SwiGLU is Llama; other mixes have no
+Hugging Face class and are refused. Tensors are read from the checkpoint one at a time (a DCP
+load of one key) and streamed into the safetensors file, so the whole model is never in memory.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import warnings
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+
+from ..model.config import DTYPES, GPTConfig
+
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
+Loader = Callable[[str], torch.Tensor]
+
+
+def family_of(config: GPTConfig) -> str:
+    """``"gpt2"`` or ``"llama"``; ``ValueError`` naming the fields of a mix neither family has."""
+    gpt2 = dict(norm="layernorm", position="learned", mlp="gelu", bias=True, kv_heads=None)
+    llama = dict(norm="rmsnorm", position="rope", mlp="swiglu")
+    values = {k: getattr(config, k) for k in gpt2}
+    if values["kv_heads"] == config.heads:
+        values["kv_heads"] = None
+    if all(values[k] == v for k, v in gpt2.items()):
+        return "gpt2"
+    if all(values[k] == v for k, v in llama.items()):
+        return "llama"
+    raise ValueError(f"no Hugging Face family has this model: {values} (GPT-2 needs {gpt2}; Llama needs {llama})")
+
+
+def hf_stream(config: GPTConfig, load: Loader) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(Hugging Face name, tensor)`` for every tensor of the HF state dict (tied weights once),
+    calling ``load(dense_name)`` once per seqpar dense tensor, in a fixed order."""
+    if family_of(config) == "llama":
+        from ..dropin.interop_llama import hf_tensors
+
+        yield from hf_tensors(config, load)
+        return
+    from ..dropin.interop_gpt2 import _names
+
+    for ours, (theirs, transposed) in _names(config.layers, config.tie_embeddings).items():
+        w = load(ours)
+        yield theirs, (w.t() if transposed else w)
+
+
+def hf_config(config: GPTConfig, shapes: dict[str, torch.Size]):
+    """The ``transformers`` config object of ``config``: ``to_hf`` run on the meta device, so its
+    name and value mapping is the one used, without allocating the model."""
+    from ..dropin import interop_gpt2, interop_llama
+
+    to_hf = interop_llama.to_hf if family_of(config) == "llama" else interop_gpt2.to_hf
+    with torch.device("meta"):
+        model = to_hf(config, {k: torch.empty(s, dtype=config.torch_dtype) for k, s in shapes.items()})
+    model.config.architectures = [type(model).__name__]
+    return model.config
+
+
+def write_safetensors(path: Path, header: list[tuple[str, tuple[int, ...], torch.dtype]],
+                      tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Write a safetensors file whose entries ``header`` lists (name, shape, dtype) in order, taking
+    the data from ``tensors`` one at a time (they must come in the same order). Atomic: written to
+    ``path.tmp`` and renamed."""
+    meta, offset = {}, 0
+    for name, shape, dtype in header:
+        n = torch.Size(shape).numel() * dtype.itemsize
+        meta[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    meta["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(meta, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for (name, shape, dtype), (got, t) in zip(header, tensors, strict=True):
+            if got != name or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"write_safetensors: expected {name} {tuple(shape)}, got {got} {tuple(t.shape)}")
+            data = t.detach().to(device="cpu", dtype=dtype).contiguous().reshape(-1).view(torch.uint8)
+            f.write(data.numpy().tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A complete checkpoint folder: ``path`` itself, or the one a checkpoint dir resumes from."""
+    from .checkpoint import checkpoint_problem, latest_checkpoint
+
+    path = Path(path)
+    if not (path / "extra.json").is_file():
+        found = latest_checkpoint(path)
+        if found is None:
+            raise ValueError(f"no complete checkpoint at {path}")
+        path = found
+    problem = checkpoint_problem(path)
+    if problem is not None:
+        raise ValueError(f"checkpoint {path} is incomplete: {problem}")
+    return path
+
+
+def checkpoint_tensors(path: Path) -> tuple[dict[str, tuple[torch.Size, torch.dtype]], Loader]:
+    """Dense model tensor name -> (shape, dtype) from the checkpoint's metadata, and a loader
+    reading one of them (one DCP load of that key, through the checkpoint's safe reader)."""
+    import torch.distributed.checkpoint as dcp
+
+    from .checkpoint import SafeReader
+
+    reader = SafeReader(path)
+    entries = {k[len("model."):]: (m.size, m.properties.dtype)
+               for k, m in reader.read_metadata().state_dict_metadata.items() if k.startswith("model.")}
+
+    def load(name: str) -> torch.Tensor:
+        shape, dtype = entries[name]
+        buf = torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():  # one process without a process group is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": {name: buf}}, storage_reader=SafeReader(path), no_dist=True)
+        return buf
+    return entries, load
+
+
+def export_hf(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
+    """Write the Hugging Face folder of ``checkpoint`` into ``out`` (created; files replaced)."""
+    from ..config import load_run_config
+
+    path, out = resolve_checkpoint(checkpoint), Path(out)
+    config = load_run_config(path / "config.yaml").model
+    entries, load = checkpoint_tensors(path)
+    target = DTYPES[dtype or config.dtype]
+    shapes = {k: s for k, (s, _) in entries.items()}
+    header = [(name, tuple(t.shape), target) for name, t in
+              hf_stream(config, lambda n: torch.empty(shapes[n], device="meta"))]
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = hf_config(config, shapes)
+    cfg.dtype = target
+    cfg.save_pretrained(out)
+    write_safetensors(out / "model.safetensors", header, hf_stream(config, load))
+    if (path / "tokenizer.json").is_file():
+        shutil.copyfile(path / "tokenizer.json", out / "tokenizer.json")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="seqpar export", description="Write a seqpar checkpoint as a Hugging Face "
+                                "model folder (config.json + model.safetensors [+ tokenizer.json]).")
+    p.add_argument("checkpoint", help="a checkpoint folder (step_N) or a checkpoint dir holding 'latest'")
+    p.add_argument("out", help="the folder to write")
+    p.add_argument("--format", choices=["hf"], default="hf", help="output format (Hugging Face transformers)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="tensor dtype in the export (default: the checkpoint's)")
+    args = p.parse_args(argv)
+    try:
+        out = export_hf(args.checkpoint, args.out, args.dtype)
+    except ValueError as e:
+        raise SystemExit(f"seqpar export: {e}") from None
+    print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
