@@ -1,8 +1,9 @@
-"""Process groups: a 2-D ``dp x tp`` mesh over torch's DeviceMesh.
+"""Process groups: a ``pp x dp x tp`` mesh over torch's DeviceMesh.
 
-Ranks are laid out tp-fastest: global rank ``r`` has ``tp_rank = r % tp`` and
-``dp_rank = r // tp``, so a TP group is ``tp`` consecutive ranks (one node on a GPU cluster,
-where NVLink carries the per-layer all-gathers and reduce-scatters).
+Ranks are laid out tp-fastest, then dp, then pp: global rank ``r`` has ``tp_rank = r % tp``,
+``dp_rank = (r // tp) % dp`` and ``pp_rank = r // (tp * dp)``, so a TP group is ``tp``
+consecutive ranks (one node on a GPU cluster, where NVLink carries the per-layer all-gathers
+and reduce-scatters) and a pipeline stage is ``dp * tp`` consecutive ranks.
 """
 from __future__ import annotations
 
@@ -18,10 +19,12 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 @dataclass(frozen=True)
 class ParallelMesh:
-    """Who this rank is in the ``dp x tp`` layout, and the groups to talk to its peers.
+    """Who this rank is in the ``pp x dp x tp`` layout, and the groups to talk to its peers.
 
-    ``tp_group`` / ``dp_group`` are ``None`` when that dimension has size 1, so layers built
-    with them are plain single-rank layers.
+    ``tp_group`` / ``dp_group`` / ``pp_group`` are ``None`` when that dimension has size 1, so
+    layers built with them are plain single-rank layers. ``device_mesh`` is torch's
+    ``DeviceMesh`` with dims ``("pp", "dp", "tp")`` (``None`` for a mesh built without one):
+    FSDP2 shards over ``device_mesh["dp"]``, checkpoints describe tensors on it.
     """
 
     tp_size: int
@@ -33,6 +36,25 @@ class ParallelMesh:
     device: torch.device
     tp_group: dist.ProcessGroup | None = None
     dp_group: dist.ProcessGroup | None = None
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: dist.ProcessGroup | None = None
+    device_mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh ("pp", "dp", "tp")
+
+    @property
+    def dp_mesh(self):
+        """The 1-D ``DeviceMesh`` over this rank's dp group (FSDP2 shards over it)."""
+        if self.device_mesh is None:
+            raise ValueError("this ParallelMesh was built without a DeviceMesh; build it with init_parallel()")
+        return self.device_mesh["dp"]
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
 
     @classmethod
     def single(cls, device: str | torch.device = "cpu") -> "ParallelMesh":
@@ -55,27 +77,33 @@ class ParallelMesh:
         return self.rank == 0
 
     def __repr__(self) -> str:
-        return (f"ParallelMesh(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
+        pp = f"pp={self.pp_rank}/{self.pp_size}, " if self.pp_size > 1 else ""
+        return (f"ParallelMesh(rank={self.rank}/{self.world_size}, {pp}tp={self.tp_rank}/{self.tp_size}, "
                 f"dp={self.dp_rank}/{self.dp_size}, device={self.device})")
 
 
-def validate_layout(tp: int, dp: int | None, world_size: int) -> int:
-    """Check ``dp * tp == world_size`` (inferring ``dp`` when ``None``); return ``dp``.
+def validate_layout(tp: int, dp: int | None, world_size: int, pp: int = 1) -> int:
+    """Check ``pp * dp * tp == world_size`` (inferring ``dp`` when ``None``); return ``dp``.
 
     Pure arithmetic: every rank raises the same error before any collective is issued.
     """
-    if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"tp must be a positive integer, got tp={tp!r}")
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
     if dp is None:
-        if world_size % tp != 0:
-            raise ValueError(f"world size {world_size} is not divisible by tp={tp}; "
-                             f"dp * tp must equal the world size")
-        return world_size // tp
-    if not isinstance(dp, int) or dp < 1:
+        if world_size % (tp * pp) != 0:
+            what = f"tp={tp}" if pp == 1 else f"pp x tp = {pp} x {tp} = {pp * tp}"
+            raise ValueError(f"world size {world_size} is not divisible by {what}; "
+                             f"{'pp * ' if pp > 1 else ''}dp * tp must equal the world size")
+        return world_size // (tp * pp)
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
         raise ValueError(f"dp must be a positive integer, got dp={dp!r}")
-    if dp * tp != world_size:
-        raise ValueError(f"dp * tp must equal the world size: dp={dp} x tp={tp} = {dp * tp}, "
-                         f"world size = {world_size}")
+    if pp * dp * tp != world_size:
+        if pp == 1:
+            raise ValueError(f"dp * tp must equal the world size: dp={dp} x tp={tp} = {dp * tp}, "
+                             f"world size = {world_size}")
+        raise ValueError(f"pp * dp * tp must equal the world size: pp={pp} x dp={dp} x tp={tp} = "
+                         f"{pp * dp * tp}, world size = {world_size}")
     return dp
 
 
@@ -120,10 +148,10 @@ def _rank_device(backend: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init_parallel(tp: int = 1, dp: int | None = None, *, rank: int | None = None,
+def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, rank: int | None = None,
                   world_size: int | None = None, init_method: str | None = None,
                   backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelMesh:
-    """Initialise (if needed) the default process group and build the ``dp x tp`` mesh.
+    """Initialise (if needed) the default process group and build the ``pp x dp x tp`` mesh.
 
     Under torchrun, ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` come from the environment.
     Tests pass ``rank``, ``world_size`` and a ``file://`` ``init_method`` explicitly. With no
@@ -135,7 +163,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, rank: int | None = None
     """
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    dp = validate_layout(tp, dp, world_size)
+    dp = validate_layout(tp, dp, world_size, pp)
     backend = _choose_backend(backend)
     device = _rank_device(backend)
 
@@ -155,7 +183,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, rank: int | None = None
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
     g_rank = dist.get_rank()
     return ParallelMesh(
         tp_size=tp,
@@ -167,4 +195,8 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, rank: int | None = None
         device=device,
         tp_group=mesh.get_group("tp") if tp > 1 else None,
         dp_group=mesh.get_group("dp") if dp > 1 else None,
+        pp_size=pp,
+        pp_rank=mesh.get_local_rank("pp"),
+        pp_group=mesh.get_group("pp") if pp > 1 else None,
+        device_mesh=mesh,
     )
