@@ -1,0 +1,106 @@
+"""Peak saved-activation bytes of a pipeline rank during a schedule step (micro-batches in flight).
+
+:class:`PeakActivationLedger` is an :class:`~seqpar.memory.ActivationLedger` that also follows
+each saved tensor's lifetime: a storage counts from the first time autograd saves it until the
+last graph node holding it is freed (after that micro-batch's backward), so the peak is what the
+schedule keeps at once. :func:`layers_in_flight` is the schedules' prediction (§4.2.3): with
+1F1B the first stage holds ``p`` micro-batches of ``L/p`` layers = ``L`` layers' worth; with the
+interleaved schedule ``mp + p - 1`` chunks of ``L/(pm)`` layers = ``L (1 + (p-1)/(pm))``.
+"""
+from __future__ import annotations
+
+import weakref
+from fractions import Fraction
+
+import torch
+
+from ..memory.ledger import ActivationLedger, _local
+
+
+class _Held:
+    """What the pack hook hands autograd: the saved tensor, and a lifetime to watch."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _unpack(x):
+    return x.tensor if isinstance(x, _Held) else x
+
+
+class PeakActivationLedger(ActivationLedger):
+    """Context manager: ``peak_layer_bytes`` (inside transformer layers, what Table 2 counts)
+    and ``peak_bytes`` (everything saved) of the live saved activations of ``model``.
+
+    >>> with PeakActivationLedger(pipe.module) as ledger:
+    ...     pipe.step(tokens, labels)
+    >>> ledger.peak_layer_bytes
+    """
+
+    def __init__(self, model: torch.nn.Module, **kwargs) -> None:
+        super().__init__(model, **kwargs)
+        self._live: dict[int, list] = {}  # storage ptr -> [holders, bytes, inside a layer]
+        self.live_bytes = self.live_layer_bytes = self.peak_bytes = self.peak_layer_bytes = 0
+
+    def __enter__(self) -> "PeakActivationLedger":
+        super().__enter__()
+        self._saved_hooks.__exit__(None, None, None)  # the parent's identity unpack: replaced by ours
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._saved_hooks.__enter__()
+        return self
+
+    def _layer_of(self, ptr: int) -> str | None:
+        module = self._stack[-1] if self._stack else ""
+        m = self._layer_re.match(module)
+        return m.group(1) if m else self._layer_inputs.get(ptr)
+
+    def _pack(self, saved: torch.Tensor):
+        t = _local(saved)
+        ptr, nbytes = self._ptr(t), t.untyped_storage().nbytes()
+        if ptr in self._skip or nbytes == 0:
+            return saved
+        entry = self._live.get(ptr)
+        if entry is None:
+            entry = self._live[ptr] = [0, nbytes, self._layer_of(ptr) is not None]
+            self._count(nbytes, entry[2])
+        entry[0] += 1
+        held = _Held(saved)
+        weakref.finalize(held, self._release, ptr)
+        return held
+
+    def _count(self, nbytes: int, in_layer: bool) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        if in_layer:
+            self.live_layer_bytes += nbytes
+            self.peak_layer_bytes = max(self.peak_layer_bytes, self.live_layer_bytes)
+
+    def _release(self, ptr: int) -> None:
+        entry = self._live.get(ptr)
+        if entry is None:
+            return
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._live[ptr]
+            self.live_bytes -= entry[1]
+            if entry[2]:
+                self.live_layer_bytes -= entry[1]
+
+
+def layers_in_flight(schedule: str, *, pp_rank: int, pp: int, virtual_stages: int, layers: int,
+                     n_microbatches: int) -> Fraction:
+    """Layers' worth of activations pipeline rank ``pp_rank`` holds at its peak: forward chunks
+    started before its first backward (1F1B: ``p - r``; interleaved, n a multiple of p:
+    ``(m-1)p + 2(p-1-r) + 1``; GPipe: all ``n``), each of ``L/(pm)`` layers."""
+    p, m, n = pp, virtual_stages, n_microbatches
+    if schedule == "GPipe":
+        chunks = n
+    elif schedule == "1F1B":
+        chunks = min(n, p - pp_rank)
+    else:
+        rounds = max(1, n // p)
+        warmup = min((m - 1) * (n // rounds) + 2 * (p - 1 - pp_rank), n * m)
+        chunks = min(warmup + 1, n * m)
+    return Fraction(layers, p * m) * chunks

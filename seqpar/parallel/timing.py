@@ -1,0 +1,79 @@
+"""Busy time of a pipeline rank's stages, and the bubble it leaves (idle time per step).
+
+A rank is busy while one of its stages computes a forward or backward chunk (the TP
+collectives inside included); everything else in a schedule step is waiting on neighbours
+(point-to-point transfers, the warm-up and cool-down bubble). For ``p`` stages, ``m`` virtual
+stages per rank and ``n`` micro-batches the schedules' ideal bubble is ``(p-1)/(m n)`` of the
+busy time (Narayanan et al. 2021): :func:`ideal_bubble`.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from torch.distributed.pipelining import PipelineStage
+
+
+def ideal_bubble(pp: int, virtual_stages: int, n_microbatches: int) -> float:
+    """``(p - 1) / (m * n)``: bubble time over ideal compute time of 1F1B / interleaved 1F1B."""
+    return (pp - 1) / (virtual_stages * n_microbatches)
+
+
+@dataclass
+class StepTiming:
+    """One schedule step on one rank: wall seconds, seconds spent computing chunks."""
+
+    step_s: float
+    busy_s: float
+
+    @property
+    def idle_fraction(self) -> float:
+        """Idle share of the step's wall time."""
+        return max(0.0, 1.0 - self.busy_s / self.step_s) if self.step_s > 0 else 0.0
+
+    @property
+    def bubble(self) -> float:
+        """Idle time over busy time: the quantity :func:`ideal_bubble` predicts."""
+        return max(0.0, self.step_s - self.busy_s) / self.busy_s if self.busy_s > 0 else 0.0
+
+
+class StageTimer:
+    """Accumulates busy seconds of the stages that report to it; :meth:`step` times a whole step."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.last: StepTiming | None = None
+
+    @contextmanager
+    def busy(self) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_s += time.perf_counter() - start
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        self.busy_s, start = 0.0, time.perf_counter()
+        try:
+            yield
+        finally:
+            self.last = StepTiming(time.perf_counter() - start, self.busy_s)
+
+
+class TimedStage(PipelineStage):
+    """A ``PipelineStage`` that reports the time of each forward and backward chunk to ``timer``."""
+
+    def __init__(self, *args, timer: StageTimer, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.timer = timer
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with self.timer.busy():
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, *args, **kwargs):
+        with self.timer.busy():
+            return super().backward_one_chunk(*args, **kwargs)
