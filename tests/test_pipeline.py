@@ -17,6 +17,7 @@ from seqpar.model import GPT, GPTConfig
 from seqpar.parallel import build_pipeline, check_stage_split, local_stage_indices, resolve_schedule, stage_layers
 from seqpar.parallel.memory import PeakActivationLedger, layers_in_flight
 from seqpar.train.optim import clip_grad_norm_tp
+from seqpar.train.precision import Precision
 
 BASE = dict(vocab_size=64, seq_len=8, hidden=16, heads=4, layers=8, dropout=0.0, attention_dropout=0.0)
 B, STEPS, CLIP = 8, 3, 0.5  # global batch (sequences), optimizer steps, clip norm (clips every step here)
@@ -148,9 +149,29 @@ def _grads_with(mesh, m, schedule, **overrides):
     return float(loss), pipe.dense_state_dict(grads=True)
 
 
+def _precisions(mesh) -> dict:
+    """fp32, bf16 autocast over fp32 weights (fp32 residual between stages) and bf16 weight copies
+    (bf16 residual; grads moved into the fp32 masters, then finished): losses and grads near fp32."""
+    cfg = GPTConfig(**{**BASE, "layers": 4, "recompute": "selective"})
+    tokens, labels = _batches(0)
+    out = {}
+    for name in ("fp32", "bf16-autocast", "bf16"):
+        prec = Precision(name, mesh.device)
+        pipe = build_pipeline(cfg, mesh, seed=5, n_microbatches=2,
+                              activation_dtype=torch.bfloat16 if prec.master_weights else None)
+        weights = prec.compute_weights(pipe.module)
+        with prec.weights_in(pipe.module, weights), prec.autocast():
+            loss = pipe.step(tokens[:4], labels[:4], finish=False)
+        prec.accumulate(pipe.module, weights)
+        pipe.finish_grads()
+        out[name] = (float(loss), pipe.dense_state_dict(grads=True))
+    ref_loss, ref = out.pop("fp32")
+    return {k: (abs(loss - ref_loss), max(rel_err(g[n], ref[n]) for n in ref)) for k, (loss, g) in out.items()}
+
+
 def _memory_and_rng(rank, world):
     mesh = init_parallel(2, pp=2)
-    out = {"pp_rank": mesh.pp_rank}
+    out = {"pp_rank": mesh.pp_rank, "precision": _precisions(mesh)}
     for m, schedule in ((1, "1F1B"), (2, "Interleaved1F1B")):
         out[schedule] = _peak(mesh, m, schedule)
         base_loss, base = _grads_with(mesh, m, schedule, recompute="none")
@@ -177,6 +198,8 @@ def test_first_stage_memory_is_the_paper_figure_and_recompute_is_rng_exact(spawn
                 assert idle > 0.0
             else:
                 assert peak < first_stage_bytes(per_layer, L=4, p=2, m=m) * 0.75, (schedule, peak)
+            for name, (dloss, dgrad) in res["precision"].items():
+                assert dloss <= 2e-2 and dgrad <= 5e-2, (r, name, dloss, dgrad)
             for rc in ("selective", "full"):
                 dloss, dgrad = res[(schedule, rc)]
                 assert dloss <= 1e-6 and dgrad <= 1e-5, (r, schedule, rc, dloss, dgrad)

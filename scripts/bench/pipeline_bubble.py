@@ -1,6 +1,6 @@
 """Measured pipeline bubble of the first stage, 1F1B against interleaved 1F1B, on p=2 gloo ranks.
 
-    python scripts/bench/pipeline_bubble.py [--layers 8] [--hidden 128] [--seq 64] [--micro 4 8] [--steps 3]
+    python scripts/bench/pipeline_bubble.py [--layers 8] [--hidden 256] [--seq 128] [--micro 4 8] [--steps 3]
 
 Each rank is one CPU process (one thread). The bubble is the first stage's idle time per step
 (waiting on its neighbour: warm-up, cool-down, transfers) over its busy time (forward and
@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--micro", type=int, nargs="+", default=[4, 8], help="micro-batches per step")
     ap.add_argument("--steps", type=int, default=3)

@@ -20,9 +20,9 @@ from ..distributed.collectives import all_reduce, all_reduce_coalesced
 from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh
 from ..model.config import GPTConfig
-from .state import gather_dense, load_stage_dense, stage_dense
 from .grads import clip_grad_norm_pp, sum_tied_grads, tied_embedding_group
 from .stages import StageModule, build_stage_modules, check_stage_split
+from .state import gather_dense, load_stage_dense, stage_dense
 from .timing import StageTimer, StepTiming, TimedStage, ideal_bubble
 
 ScheduleName = Literal["1F1B", "Interleaved1F1B", "GPipe"]
@@ -85,6 +85,17 @@ class PipelineParallel:
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, each once."""
         return list(self.module.parameters())
+
+    def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """This rank's parameters under the GPT's names (``blocks.5.mlp.fc1.weight``), each once:
+        the keys a checkpoint of this rank's stages uses (the tied ``wte.weight`` on both ends)."""
+        out, seen = [], set()
+        for part in self.parts:
+            for name, p in part.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    out.append((name, p))
+        return out
 
     def tied_parameters(self) -> list[nn.Parameter]:
         """The token-table copies this rank holds that another pipeline rank also holds."""
@@ -167,14 +178,16 @@ class PipelineParallel:
         all_reduce(loss, self.mesh.pp_group)  # zeros elsewhere: a broadcast from the last stage
         return loss
 
-    def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor, finish: bool = True) -> torch.Tensor:
         """Forward + backward of one optimizer step's batch ``tokens``/``labels`` ``[B, s]`` (this dp
         rank's share, identical on TP ranks; each pipeline rank passes it, only the first and last
         stage read it) in ``n_microbatches`` micro-batches; gradients accumulate into ``.grad``
-        (zero them before). Then finishes the grads (:meth:`finish_grads`). Returns the mean
-        micro-batch loss as a float64 scalar, identical on every rank of the pipeline."""
+        (zero them before). Then (``finish``) :meth:`finish_grads`; pass ``finish=False`` when the
+        grads still move elsewhere first (bf16 copies into fp32 masters) and call it after.
+        Returns the mean micro-batch loss as a float64 scalar, identical on every pipeline rank."""
         loss = self._run(tokens, labels, train=True)
-        self.finish_grads()
+        if finish:
+            self.finish_grads()
         return loss
 
     @torch.no_grad()
