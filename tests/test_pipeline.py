@@ -14,7 +14,7 @@ from seqpar.distributed import ParallelMesh, init_parallel
 from seqpar.memory import bytes_per_layer
 from seqpar.memory.formulas import first_stage_bytes
 from seqpar.model import GPT, GPTConfig
-from seqpar.parallel import build_pipeline, check_stage_split, local_stage_indices, resolve_schedule, stage_layers
+from seqpar.parallel import build_pipeline, build_stage_modules, check_stage_split, local_stage_indices, resolve_schedule, stage_layers
 from seqpar.parallel.memory import PeakActivationLedger, layers_in_flight
 from seqpar.train.optim import clip_grad_norm_tp
 from seqpar.train.precision import Precision
@@ -227,3 +227,23 @@ def test_layer_split_placement_and_errors():
         resolve_schedule("1F1B", 2)
     with pytest.raises(ValueError, match="n_microbatches >= pp"):
         build_pipeline(GPTConfig(**BASE), _mesh(4), n_microbatches=2)
+
+
+def test_stages_keep_the_gpt_names_and_draw_their_own_dropout_masks():
+    cfg = GPTConfig(**{**BASE, "dropout": 0.1})
+    first = build_stage_modules(cfg, _mesh(2, 0), seed=0, virtual_stages=2)   # stages 0 and 2 of 4
+    last = build_stage_modules(cfg, _mesh(2, 1), seed=0, virtual_stages=2)    # stages 1 and 3
+    names = [sorted({n.split(".")[0] + (f".{n.split('.')[1]}" if n.startswith("blocks") else "")
+                     for n, _ in part.named_parameters()}) for part in first + last]
+    assert names[0] == ["blocks.0", "blocks.1", "wpe", "wte"] and names[1] == ["blocks.4", "blocks.5"]
+    assert names[3] == ["blocks.6", "blocks.7", "ln_f", "wte"] and last[1].holds_tied_copy
+    dense = GPT(cfg, seed=0).state_dict()
+    for part in first + last:  # the same seed: the same weights as the unsplit model, under its names
+        for n, p in part.named_parameters():
+            assert torch.equal(p, dense[n]), n
+    seeds = {part.rng.seed for part in first + last}
+    assert len(seeds) == 4  # one dropout stream pair per stage
+    for part in first + last:
+        assert all(m.streams is part.rng for m in part.modules() if hasattr(m, "streams"))
+    with pytest.raises(ValueError, match="pp >= 2"):
+        build_pipeline(cfg, _mesh(1))

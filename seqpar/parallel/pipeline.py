@@ -67,6 +67,8 @@ class PipelineParallel:
     def __init__(self, config: GPTConfig, mesh: ParallelMesh, seed: int = 0, *, schedule: str | None = None,
                  virtual_stages: int = 1, n_microbatches: int | None = None,
                  activation_dtype: torch.dtype | None = None, reduce_dp: bool = True):
+        if mesh.pp_size < 2:
+            raise ValueError(f"PipelineParallel needs pp >= 2, got pp={mesh.pp_size}: at pp=1 train the GPT itself")
         self.schedule_name = resolve_schedule(schedule, virtual_stages)
         check_stage_split(config.layers, mesh.pp_size, virtual_stages)
         self.n_microbatches = mesh.pp_size if n_microbatches is None else n_microbatches
