@@ -1,6 +1,6 @@
 """Measured pipeline bubble of the first stage, 1F1B against interleaved 1F1B, on p=2 gloo ranks.
 
-    python scripts/bench/pipeline_bubble.py [--layers 8] [--hidden 256] [--seq 128] [--micro 4 8] [--steps 3]
+    python scripts/bench/pipeline_bubble.py [--layers 8] [--hidden 256] [--seq 128] [--micro 4 8] [--steps 5]
 
 Each rank is one CPU process (one thread). The bubble is the first stage's idle time per step
 (waiting on its neighbour: warm-up, cool-down, transfers) over its busy time (forward and
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--micro", type=int, nargs="+", default=[4, 8], help="micro-batches per step")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args(argv)
     rows = run_local(_entry, args.pp, args, timeout=1800)[0]
     print(f"p={args.pp}, L={args.layers}, h={args.hidden}, s={args.seq}, b={args.micro_batch}, CPU gloo, "
