@@ -61,12 +61,13 @@ class PipelineParallel:
     ``"{j}.{GPT name}"``). :meth:`step` runs forward + backward over the micro-batches of one
     optimizer step and returns the mean loss on every rank. ``activation_dtype``: the dtype of
     the residual stream between stages (default the model's; fp32 under bf16 autocast of fp32
-    weights, bf16 when computing on bf16 weight copies).
+    weights, bf16 when computing on bf16 weight copies). ``time_cuda``: synchronize after each
+    chunk on CUDA so :attr:`last_timing` (the bubble) is real; off for the fastest steps.
     """
 
     def __init__(self, config: GPTConfig, mesh: ParallelMesh, seed: int = 0, *, schedule: str | None = None,
                  virtual_stages: int = 1, n_microbatches: int | None = None,
-                 activation_dtype: torch.dtype | None = None, reduce_dp: bool = True):
+                 activation_dtype: torch.dtype | None = None, reduce_dp: bool = True, time_cuda: bool = True):
         if mesh.pp_size < 2:
             raise ValueError(f"PipelineParallel needs pp >= 2, got pp={mesh.pp_size}: at pp=1 train the GPT itself")
         self.schedule_name = resolve_schedule(schedule, virtual_stages)
@@ -80,7 +81,7 @@ class PipelineParallel:
         self.activation_dtype = activation_dtype or self.config.torch_dtype
         self.num_stages = mesh.pp_size * virtual_stages
         self.tied_group = tied_embedding_group(mesh) if self.config.tie_embeddings else None
-        self.timer = StageTimer()
+        self.timer, self.time_cuda = StageTimer(), time_cuda
         self._schedule, self._built_for = None, None
 
     # ------------------------------------------------------------------ parameters
@@ -137,7 +138,8 @@ class PipelineParallel:
         stages = [TimedStage(part, part.index, self.num_stages, self.mesh.device,
                              input_args=self._example(part, rows, seq, output=False),
                              output_args=self._example(part, rows, seq, output=True),
-                             group=self.mesh.pp_group, timer=self.timer) for part in self.parts]
+                             group=self.mesh.pp_group, timer=self.timer, sync_cuda=self.time_cuda)
+                  for part in self.parts]
         last = next((p for p in self.parts if p.is_last), None)
         n = self.n_microbatches
 
