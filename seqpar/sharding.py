@@ -73,6 +73,13 @@ REPLICATED = ParamLayout()
 SP_REPLICATED = ParamLayout(sp_replicated=True)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of ``t``: ``t.to_local()`` for a DTensor (FSDP2's sharded parameters,
+    gradients and AdamW moments; a view of its storage), else ``t`` itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
 # ---------------------------------------------------------------------------------- declarations
 def mark_sp_replicated(module: nn.Module, names: Iterable[str] | None = None) -> nn.Module:
     """Declare ``module``'s own parameters ``names`` (default: all) SP-replicated. For modules that
@@ -198,6 +205,6 @@ def dense_shapes(model: nn.Module, group: ProcessGroup | None) -> dict[str, torc
     return {name: dense_shape(params[name].shape, lay, t) for name, lay in param_layouts(model).items()}
 
 
-__all__ = ["ParamLayout", "REPLICATED", "SP_REPLICATED", "mark_sp_replicated", "module_layouts", "param_layouts",
+__all__ = ["local_tensor", "ParamLayout", "REPLICATED", "SP_REPLICATED", "mark_sp_replicated", "module_layouts", "param_layouts",
            "sp_replicated_parameters", "split_parameters", "interleave", "local_shape", "dense_shape", "shard",
            "unshard", "to_dense", "to_local", "dense_shapes"]

@@ -120,6 +120,19 @@ def test_import_then_resume_generate_and_export_back(tmp_path, kind):
     assert out.getvalue().count("def x") == 1
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).eval()
     assert all(torch.equal(w, hf.state_dict()[n]) for n, w in back.state_dict().items())
+    # seqpar's own dense file: the same tensors under seqpar's names, and `seqpar generate` reads it
+    samples = {}
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert seqpar(["export", str(tmp_path / "ckpt"), str(tmp_path / "dense"), "--format", "safetensors"]) == 0
+    for name in ("ckpt", "dense"):
+        samples[name] = io.StringIO()
+        with contextlib.redirect_stdout(samples[name]):
+            assert seqpar(["generate", str(tmp_path / name), "--prompt", "def x", "--tokens", "3"]) == 0
+    from safetensors.torch import load_file
+    assert set(load_file(str(tmp_path / "dense" / "model.safetensors"))) == set(model.dense_state_dict())
+    assert all(torch.equal(w, model.dense_state_dict()[n])
+               for n, w in load_file(str(tmp_path / "dense" / "model.safetensors")).items())
+    assert samples["dense"].getvalue() == samples["ckpt"].getvalue() and "def x" in samples["dense"].getvalue()
 
 
 def test_refusals(tmp_path):

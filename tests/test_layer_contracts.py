@@ -136,7 +136,7 @@ def test_layer_contracts(spawn):
         assert r["replay"]
         assert "tp_rank=" in r["repr"] and "tp_size=4" in r["repr"] and "local_weight=(8, 16)" in r["repr"]
         e = r["errors"]
-        assert "(6)" in e["out_features"] and "t=4" in e["out_features"]
+        assert "out_features 6 " in e["out_features"] and "t=4" in e["out_features"]
         assert "(6)" in e["in_features"]
         assert "(30)" in e["vocab"]
         assert "ProcessGroup" in e["group_type"] and "str" in e["group_type"]

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from seqpar.config import ConfigError, RunConfig, dump, dump_yaml, load_run_config, to_dict
 from seqpar.config.yaml12 import Dumper, plain_scalar
+from seqpar.config.loader import config_key
 from seqpar.distributed import regions
 from seqpar.distributed.collectives import check_divisible
 from seqpar.layers import ColumnParallelLinear, RowParallelLinear
@@ -33,11 +34,11 @@ def _schema(cls: type = RunConfig, prefix: str = "") -> dict[str, Any]:
     """Dotted key -> annotation for every leaf field of the run schema."""
     hints, out = get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
-        tp = hints[f.name]
+        tp, key = hints[f.name], config_key(f)  # the YAML key (checkpoint.async is the field async_save)
         if dataclasses.is_dataclass(tp):
-            out.update(_schema(tp, f"{prefix}{f.name}."))
+            out.update(_schema(tp, f"{prefix}{key}."))
         else:
-            out[f"{prefix}{f.name}"] = tp
+            out[f"{prefix}{key}"] = tp
     return out
 
 
@@ -81,6 +82,8 @@ VALID: dict[str, st.SearchStrategy] = {
     "parallel.tp": st.sampled_from([1, 2, 4]), "parallel.dp": st.none() | st.integers(1, 4096),
     "parallel.pp": st.just(1), "parallel.virtual_stages": st.integers(1, 16),
     "parallel.timeout_minutes": _floats(0.0, 1e6, exclude_min=True),
+    "parallel.data_parallel": st.sampled_from([None, "ddp", "fsdp"]),
+    "parallel.pp_schedule": st.sampled_from([None, "1F1B", "Interleaved1F1B", "GPipe"]),
     "data.source": NONE_OR_TEXT, "data.max_bytes": st.integers(1, 2**50),
     "data.eval_fraction": _floats(0.0, 1.0, exclude_min=True, exclude_max=True), "data.cache_dir": NONE_OR_TEXT,
     "train.steps": st.integers(1, 10**7), "train.micro_batch": st.integers(1, 1024),
@@ -206,7 +209,7 @@ def _from_overrides(values: dict[str, Any]) -> RunConfig:
 
 def _get(cfg: RunConfig, key: str) -> Any:
     for part in key.split("."):
-        cfg = getattr(cfg, part)
+        cfg = getattr(cfg, {config_key(f): f.name for f in dataclasses.fields(cfg)}[part])
     return cfg
 
 

@@ -145,6 +145,12 @@ RENAMED = {
 }
 
 
+def config_key(f: dataclasses.Field) -> str:
+    """The YAML key of dataclass field ``f``: its name, or ``metadata["key"]`` for a key that is a
+    Python keyword (``checkpoint.async`` is the field ``async_save``)."""
+    return f.metadata.get("key", f.name)
+
+
 def from_dict(cls: type[T], data: dict, *, where: str = "") -> T:
     """Build dataclass ``cls`` from a plain nested dict, checking every key and type.
 
@@ -158,7 +164,7 @@ def from_dict(cls: type[T], data: dict, *, where: str = "") -> T:
     if not isinstance(data, dict):
         raise ConfigError(f"{where or '<root>'}: expected a mapping for {cls.__name__}, "
                           f"got {show(data)} ({type(data).__name__})")
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {config_key(f): f for f in dataclasses.fields(cls) if f.init}
     unknown = [k for k in data if k not in fields]
     for k in unknown:
         if _join(where, str(k)) in RENAMED:
@@ -171,9 +177,9 @@ def from_dict(cls: type[T], data: dict, *, where: str = "") -> T:
     for name, field in fields.items():
         key = _join(where, name)
         if name in data:
-            kwargs[name] = _convert(hints[name], data[name], key)
+            kwargs[field.name] = _convert(hints[field.name], data[name], key)
         elif field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"missing required key {key!r} ({_type_name(hints[name])}) for {cls.__name__}")
+            raise ConfigError(f"missing required key {key!r} ({_type_name(hints[field.name])}) for {cls.__name__}")
     obj = cls(**kwargs)
     _validate(obj, where)
     return obj
@@ -307,7 +313,7 @@ def load_sections(path: str | Path, sections: Mapping[str, type],
 def to_dict(obj: Any) -> Any:
     """Plain YAML-serialisable form of a config: dataclasses -> dicts (init fields), tuples -> lists."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+        return {config_key(f): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, dict):

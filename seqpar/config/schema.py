@@ -52,11 +52,31 @@ class ParallelConfig:
     pp: int = 1                  # pipeline size: memory planning only (training supports pp=1)
     virtual_stages: int = 1      # interleaved pipeline chunks m: memory planning only
     timeout_minutes: float = 10  # a collective waiting longer fails the job instead of hanging it
+    # how gradients (and state) are shared over dp: "fsdp" shards parameters, gradients and AdamW
+    # state over dp (FSDP2 fully_shard per block and on the root); "ddp" replicates them and
+    # all-reduces gradients. None = fsdp when dp > 1 (with dp = 1 nothing is sharded either way)
+    data_parallel: Literal["ddp", "fsdp"] | None = None
+    # fsdp: free the gathered parameters after each block's forward and gather them again for its
+    # backward (ZeRO-3-like, least memory) or keep them until backward (ZeRO-2-like, fewer gathers)
+    reshard_after_forward: bool = True
+    # pipeline schedule: None = "1F1B" when virtual_stages is 1, else "Interleaved1F1B"; "GPipe"
+    # (all forwards, then all backwards) for comparison
+    pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] | None = None
 
     def validate(self) -> None:
         for name in ("tp", "dp", "pp", "virtual_stages"):
             check_at_least(f"parallel.{name}", getattr(self, name), 1)
         check_number("parallel.timeout_minutes", self.timeout_minutes, "> 0")
+        if self.data_parallel is not None:
+            check_choice("parallel.data_parallel", self.data_parallel, ("ddp", "fsdp"))
+        if self.pp_schedule is not None:
+            check_choice("parallel.pp_schedule", self.pp_schedule, ("1F1B", "Interleaved1F1B", "GPipe"))
+
+    def data_parallel_mode(self, dp: int) -> str:
+        """``ddp`` or ``fsdp`` for ``dp`` data-parallel ranks (``None`` resolves to fsdp when dp > 1)."""
+        if self.data_parallel is not None:
+            return self.data_parallel
+        return "fsdp" if dp > 1 else "ddp"
 
 
 @dataclass
@@ -117,6 +137,9 @@ class CheckpointConfig:
     interval: int = 100          # save every N steps (and at the end); 0 = only at the end
     keep: int = 2                # newest checkpoints kept
     resume: Literal["auto", "never"] = "auto"  # auto: continue from the newest checkpoint in dir
+    # checkpoint.async: write a checkpoint in the background (torch.distributed.checkpoint's
+    # async_save) while training goes on; it is sealed (marker, latest, keep-N) before the next one
+    async_save: bool = field(default=False, metadata={"key": "async"})
 
     def validate(self) -> None:
         check_at_least("checkpoint.interval", self.interval, 0)

@@ -161,8 +161,14 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, rank: int 
     already-initialised group keeps its backend (a gloo group on a GPU machine stays on CPU).
     ``timeout`` bounds every collective, so a dead peer fails the job instead of hanging it.
     """
+    launched = dist.is_initialized() or "WORLD_SIZE" in os.environ or world_size is not None
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if not launched and tp * pp > 1:
+        raise ValueError(f"init_parallel(tp={tp}{f', pp={pp}' if pp > 1 else ''}) needs {tp * pp * (dp or 1)} "
+                         f"processes, but this is a single process started without torchrun: start it with "
+                         f"`torchrun --nproc-per-node {tp * pp * (dp or 1)} SCRIPT.py` (or `seqpar train ... "
+                         f"--nproc-per-node N`)")
     dp = validate_layout(tp, dp, world_size, pp)
     backend = _choose_backend(backend)
     device = _rank_device(backend)

@@ -122,8 +122,20 @@ def checkpoint_attention(model: nn.Module, *, streams: RNGStreams | None = None)
         setattr(module, STREAMS_ATTR, streams)
     if impl != base:
         return outer
+    _own_config(model)
     model.set_attn_implementation(_registered(base))
     return outer
+
+
+def _own_config(model) -> None:
+    """Give ``model`` (and each submodule sharing it) a copy of its config, so switching the
+    attention implementation leaves the caller's config object as it was."""
+    import copy
+    original = model.config
+    mine = copy.deepcopy(original)
+    for module in model.modules():
+        if getattr(module, "config", None) is original:
+            module.config = mine
 
 
 __all__ = ["checkpoint_attention"]

@@ -99,6 +99,8 @@ class ActivationLedger:
     def _pre(self, name):
         def hook(module, args, kwargs):
             self._stack.append(name)
+            for w in module.parameters(recurse=False):  # FSDP2: the gathered copies it just swapped in
+                self._skip.add(self._ptr(w))
             m = self._layer_re.match(name)
             if m and m.group(2) is None:  # a transformer layer itself: remember its input
                 first = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)

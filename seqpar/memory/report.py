@@ -17,6 +17,7 @@ from typing import Sequence
 
 from ..distributed.local import run_local
 from ..model.config import GPTConfig
+from .state import state_table
 from .formulas import (PAPER_MODELS, ModelShape, Technique, bytes_per_layer, extra_bytes, gib,
                        interleave_factor, load_sections, paper_config_dir, per_gpu_bytes, ratio_to_tp,
                        shape_of)
@@ -189,6 +190,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--png", type=Path, metavar="PATH", help="write a Figure 7 style bar chart")
     p.add_argument("--micro-batch", type=int, metavar="B", help="override train.micro_batch")
     p.add_argument("--tp", type=int, metavar="T", help="override parallel.tp")
+    p.add_argument("--dp", type=int, metavar="DP", help="also print the training state per rank at this "
+                   "data-parallel size (parameters, gradients, AdamW)")
+    p.add_argument("--data-parallel", choices=("ddp", "fsdp"), help="with the state table: only this mode "
+                   "(default: both)")
+    p.add_argument("--precision", choices=("fp32", "bf16", "bf16-autocast"), help="with the state table: "
+                   "train.precision (default: bf16)")
     p.add_argument("--max-gib", type=float, default=2.0, metavar="GIB",
                    help="refuse --measure above this estimate of activations+weights (default 2)")
     return p
@@ -202,7 +209,7 @@ def err(msg: str) -> None:
 def main(argv: list[str]) -> int:
     """Entry point of ``seqpar memory``; returns the exit status (2 for bad input)."""
     args = _parser().parse_args(argv)
-    for name in ("micro_batch", "tp"):
+    for name in ("micro_batch", "tp", "dp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             err(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
             return 2
@@ -242,6 +249,11 @@ def main(argv: list[str]) -> int:
                 err(f"measuring {e.path} failed: {ex}")
                 return 1
         print(table(e.shape, measured) + "\n", flush=True)
+        if args.dp is not None or args.data_parallel or args.precision:
+            modes = [args.data_parallel] if args.data_parallel else ["ddp", "fsdp"]
+            layouts = [(args.dp or 1, mode) for mode in modes]
+            print(state_table(e.model, t=e.shape.t, layouts=layouts, precision=args.precision or "bf16") + "\n",
+                  flush=True)
     if args.png is not None:
         plot([e.shape for e in entries], args.png)
         print(f"wrote {args.png}")

@@ -93,6 +93,29 @@ def write_safetensors(path: Path, header: list[tuple[str, tuple[int, ...], torch
     os.replace(tmp, path)
 
 
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file (header JSON, then raw little-endian data; nothing in it
+    runs code). ``ValueError`` naming the file when the header does not describe its bytes."""
+    by_name = {v: k for k, v in _ST_DTYPES.items()}
+    data = Path(path).read_bytes()
+    try:
+        (n,) = struct.unpack("<Q", data[:8])
+        meta = json.loads(data[8:8 + n])
+        out = {}
+        for name, entry in meta.items():
+            if name == "__metadata__":
+                continue
+            start, end = entry["data_offsets"]
+            dtype, shape = by_name[entry["dtype"]], torch.Size(entry["shape"])
+            if end - start != shape.numel() * dtype.itemsize or 8 + n + end > len(data):
+                raise ValueError(f"{name}: {end - start} bytes for {entry['dtype']} {list(shape)}")
+            raw = bytearray(data[8 + n + start:8 + n + end])
+            out[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
+        return out
+    except (KeyError, TypeError, ValueError, struct.error) as e:
+        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A complete checkpoint folder: ``path`` itself, or the one a checkpoint dir resumes from."""
     from .checkpoint import checkpoint_problem, latest_checkpoint
@@ -151,18 +174,41 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str | None = None)
     return out
 
 
+def export_safetensors(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
+    """Write the dense model of ``checkpoint`` under seqpar's own names (:meth:`GPT.dense_state_dict`)
+    as ``out/model.safetensors``, one tensor read from the checkpoint at a time, with its
+    ``config.yaml`` (and ``tokenizer.json``). ``seqpar generate OUT`` reads the folder;
+    ``seqpar.interop.gpt2.to_hf`` / ``seqpar.interop.llama.to_hf`` take the loaded tensors."""
+    path, out = resolve_checkpoint(checkpoint), Path(out)
+    entries, load = checkpoint_tensors(path)
+    header = [(name, tuple(shape), DTYPES[dtype] if dtype else dt) for name, (shape, dt) in entries.items()]
+    target = {name: dt for name, _, dt in header}
+    out.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out / "model.safetensors", header, ((n, load(n).to(target[n])) for n in entries))
+    shutil.copyfile(path / "config.yaml", out / "config.yaml")
+    if (path / "tokenizer.json").is_file():
+        shutil.copyfile(path / "tokenizer.json", out / "tokenizer.json")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="seqpar export", description="Write a seqpar checkpoint as a Hugging Face "
-                                "model folder (config.json + model.safetensors [+ tokenizer.json]).")
+    p = argparse.ArgumentParser(prog="seqpar export", description="Write a seqpar checkpoint as one dense model "
+                                "file: a Hugging Face model folder (--format hf: config.json + model.safetensors "
+                                "[+ tokenizer.json]) or seqpar's own names (--format safetensors: model.safetensors "
+                                "+ config.yaml [+ tokenizer.json]). Tensors are read and written one at a time.")
     p.add_argument("checkpoint", help="a checkpoint folder (step_N) or a checkpoint dir holding 'latest'")
     p.add_argument("out", help="the folder to write")
-    p.add_argument("--format", choices=["hf"], default="hf", help="output format (Hugging Face transformers)")
+    p.add_argument("--format", choices=["hf", "safetensors"], default="hf",
+                   help="hf: a Hugging Face transformers folder (default); safetensors: seqpar's dense names")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="tensor dtype in the export (default: the checkpoint's)")
     args = p.parse_args(argv)
     try:
-        out = export_hf(args.checkpoint, args.out, args.dtype)
+        out = (export_hf if args.format == "hf" else export_safetensors)(args.checkpoint, args.out, args.dtype)
     except ValueError as e:
         raise SystemExit(f"seqpar export: {e}") from None
-    print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    if args.format == "hf":
+        print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    else:
+        print(f"wrote {out / 'model.safetensors'} and {out / 'config.yaml'} (seqpar generate {out})")
     return 0

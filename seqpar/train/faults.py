@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from ..sharding import local_tensor
+
 
 class StopRequest:
     """Remembers a SIGTERM so the loop can checkpoint and exit at the next step boundary."""
@@ -48,10 +50,11 @@ def nonfinite_error(step: int, loss: float, grad_norm: float) -> FloatingPointEr
 def check_finite_weights(model: nn.Module, step: int) -> None:
     """Raise ``FloatingPointError`` on every rank when any rank's weights hold NaN/inf, naming this
     rank's offending parameters. One all-reduce over the world; call on every rank before saving."""
-    params = [(n, p) for n, p in model.named_parameters()]
-    finite = torch.stack([torch.isfinite(p.detach()).all() for _, p in params]) if params else torch.ones(0)
+    params = [(n, local_tensor(p.detach())) for n, p in model.named_parameters()]  # FSDP: this rank's shard
+    finite = torch.stack([torch.isfinite(p).all() for _, p in params]) if params else torch.ones(0)
     bad = [n for (n, _), ok in zip(params, finite.tolist()) if not ok]
-    count = torch.tensor([float(len(bad))], dtype=torch.float64)
+    device = params[0][1].device if params else torch.device("cpu")  # the mesh's device (CUDA: NCCL)
+    count = torch.tensor([float(len(bad))], dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(count)
     if count.item() > 0:

@@ -32,7 +32,8 @@ def sample(model, prompt: list[int], max_new_tokens: int = 64, *, temperature: f
         n = len(window)
         pad = (-n) % t if cfg.sequence_parallel else 0  # seq_len is a multiple of t under SP: it fits
         tokens = torch.tensor([window + [0] * pad], device=device)
-        logits = gather_from_tp(model(tokens)[:, n - 1].float(), model.tp_group)[0].cpu()  # [v]
+        logits = gather_from_tp(model(tokens)[:, n - 1].float(), model.tp_group)[0].cpu()  # [v_pad]
+        logits = logits[:cfg.vocab_size]  # the padded rows: the same draws as the unpadded model
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:
@@ -66,15 +67,21 @@ def main(argv: list[str] | None = None) -> int:
     from .checkpoint import latest_checkpoint, load_model_only
 
     path = Path(args.checkpoint)
-    if not (path / "extra.json").is_file():
+    exported = (path / "model.safetensors").is_file() and (path / "config.yaml").is_file()
+    if not exported and not (path / "extra.json").is_file():
         found = latest_checkpoint(path)
         if found is None:
-            raise SystemExit(f"seqpar generate: no checkpoint found at {path}")
+            raise SystemExit(f"seqpar generate: no checkpoint (or `seqpar export --format safetensors` folder) "
+                             f"found at {path}")
         path = found
     cfg = load_run_config(path / "config.yaml")
     cfg.model.recompute, cfg.model.dropout, cfg.model.attention_dropout = "none", 0.0, 0.0
     model = GPT(cfg.model)
-    load_model_only(path, model)
+    if exported:
+        from .export import read_safetensors
+        model.load_dense_state_dict(read_safetensors(path / "model.safetensors"))
+    else:
+        load_model_only(path, model)
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise SystemExit(f"seqpar generate: {tok_file} is missing (trained from a bare token file?)")

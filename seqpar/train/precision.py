@@ -40,14 +40,16 @@ def resolve_precision(name: str, device: torch.device) -> str:
 class Precision:
     """How a training step runs its forward and backward in one precision mode."""
 
-    def __init__(self, name: str, device: torch.device):
+    def __init__(self, name: str, device: torch.device, *, fsdp: bool = False):
         self.name = resolve_precision(name, device)
         self.device = torch.device(device)
+        self.fsdp = fsdp  # FSDP2 casts the gathered parameters itself (MixedPrecisionPolicy)
 
     @property
     def master_weights(self) -> bool:
-        """True when the model's parameters are fp32 masters and compute runs on bf16 copies."""
-        return self.name == "bf16"
+        """True when the model's parameters are fp32 masters and compute runs on bf16 copies made
+        here (under FSDP2 the bf16 copies are its gathered parameters instead)."""
+        return self.name == "bf16" and not self.fsdp
 
     @property
     def activation_bytes(self) -> int:
@@ -56,7 +58,7 @@ class Precision:
 
     def check_model(self, model: nn.Module) -> None:
         """The bf16 recipe needs fp32 master parameters (``model.dtype: float32``)."""
-        if self.master_weights:
+        if self.name == "bf16":
             bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
             if bad:
                 raise ValueError(f"train.precision=bf16 keeps fp32 master weights and computes in bf16: build the "

@@ -19,12 +19,10 @@ received SIGTERM.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import time
 from collections.abc import Iterable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -34,18 +32,17 @@ import torch.distributed as dist
 
 from .. import flops
 from ..config import RunConfig, dump
-from ..distributed.collectives import all_reduce_coalesced
-from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh, init_parallel, validate_layout
 from ..model import GPT
+from ..parallel.data_parallel import DataParallel, state_bytes, state_line
 from .activations import ActivationProbe
-from .batches import Batch, TokenBatches, eval_batches
+from .batches import Batch
 from .checkpoint import latest_checkpoint, load_checkpoint, open_checkpoint_dir, save_checkpoint
-from .data import Corpus, prepare_corpus
+from .run_data import data_streams, load_corpus, tokenizer_attachment
 from .faults import StopRequest, check_finite_weights, check_tokenizer, nonfinite_error, nonfinite_what
 from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
-from .optim import build_optimizer, clip_grad_norm_tp, lr_at
+from .optim import build_optimizer, lr_at
 from .precision import Precision
 
 @dataclass(frozen=True)
@@ -77,7 +74,7 @@ class Trainer:
             self._ckpt_dir = open_checkpoint_dir(cfg.checkpoint.dir, self.mesh.is_first)
             self._announce()
             self._setup_data()
-            self.precision = Precision(self.tc.precision, self.mesh.device)
+            self.precision = Precision(self.tc.precision, self.mesh.device, fsdp=self.dp_mode == "fsdp")
             self._setup_model()
             self.throughput = self._throughput()
         except BaseException:
@@ -97,6 +94,7 @@ class Trainer:
         pc = self.cfg.parallel
         self.dp = validate_layout(pc.tp, pc.dp, mesh.world_size if mesh else _world_size())
         self.accum = self.cfg.accumulation_steps(self.dp)  # micro-batches per optimizer step
+        self.dp_mode = pc.data_parallel_mode(self.dp)  # "ddp" | "fsdp"
         if mesh is None:
             mesh = init_parallel(pc.tp, pc.dp, timeout=timedelta(minutes=pc.timeout_minutes))
         if mesh.device.type == "cpu":
@@ -114,35 +112,11 @@ class Trainer:
             (Path(cfg.out_dir) / "config.yaml").write_text(dump(cfg))
             self.logger.print("resolved config:\n" + "\n".join("  " + line for line in dump(cfg).splitlines()))
 
-    def _load_corpus(self) -> Corpus:
-        """Every rank prepares the corpus: one builds (tokenizes, caches) it while the others wait
-        on the cache's file lock, which has no timeout, instead of in a collective that has one.
-        The run's output and checkpoint folders are never part of the corpus."""
-        dc = self.cfg.data
-        corpus = prepare_corpus(dc.source, vocab_size=self.mc.vocab_size, cache_dir=dc.cache_dir,
-                                max_bytes=dc.max_bytes, log=self.logger.print,
-                                exclude=(self.cfg.out_dir, self.cfg.checkpoint.dir))
-        if corpus.vocab_size > self.mc.vocab_size:
-            raise ValueError(f"the corpus needs vocab_size >= {corpus.vocab_size}, model.vocab_size is "
-                             f"{self.mc.vocab_size}")
-        return corpus
-
     def _setup_data(self) -> None:
         """Corpus, the training stream of this dp rank, fixed eval batches, the tokenizer attachment."""
-        tc, mc, mesh = self.tc, self.mc, self.mesh
-        self.corpus = self._load_corpus()
-        train_tokens, heldout = self.corpus.split(self.cfg.data.eval_fraction)
-        self.batches = TokenBatches(train_tokens, seq_len=mc.seq_len, micro_batch=tc.micro_batch, seed=tc.seed,
-                                    dp_rank=mesh.dp_rank, dp_size=self.dp, accum=self.accum)
-        has_eval = tc.eval_interval > 0 and len(heldout) > mc.seq_len
-        self.evals: list[Batch] = (eval_batches(heldout, seq_len=mc.seq_len, micro_batch=tc.micro_batch,
-                                                num_batches=tc.eval_batches, dp_rank=mesh.dp_rank,
-                                                dp_size=self.dp, accum=self.accum) if has_eval else [])
-        self.attachments: dict[str, Path] = {}
-        if self.corpus.tokenizer is not None:  # checkpoints carry it so `seqpar generate` needs nothing else
-            self.attachments["tokenizer.json"] = Path(self.cfg.out_dir) / "tokenizer.json"
-            if mesh.is_first:
-                self.corpus.tokenizer.save(str(self.attachments["tokenizer.json"]))
+        self.corpus = load_corpus(self.cfg, self.logger.print)
+        self.batches, self.evals = data_streams(self.cfg, self.corpus, self.mesh.dp_rank, self.dp, self.accum)
+        self.attachments = tokenizer_attachment(self.cfg, self.corpus, self.mesh.is_first)
 
     def _setup_model(self) -> None:
         """GPT built from seqpar layers on the mesh, wrapped for data parallelism, then its optimizer."""
@@ -151,18 +125,13 @@ class Trainer:
         self.precision.check_model(self.model)
         self.logger.print(f"parameters: {self.model.num_parameters():,} in the full model, "
                           f"{self.model.num_parameters(False):,} on this rank")
-        self.dp_model = self._wrap_data_parallel(self.model)
+        self.data_parallel = DataParallel(self.model, self.mesh, self.dp_mode, precision=self.precision.name,
+                                          master_weights=self.precision.master_weights,
+                                          reshard_after_forward=self.cfg.parallel.reshard_after_forward)
+        self.dp_model = self.data_parallel.module  # what the training forward runs through
         self.optimizer = build_optimizer(self.model, lr=tc.lr, weight_decay=tc.weight_decay,
                                          betas=(tc.beta1, tc.beta2))
-
-    def _wrap_data_parallel(self, model: GPT) -> torch.nn.Module:
-        """The module the training forward runs through: DDP over the dp group when dp > 1 (the
-        bf16 recipe reduces its fp32 gradients itself, :meth:`forward_backward`). Parameters stay
-        ``model``'s own, so the optimizer and checkpoints use ``model``."""
-        if self.dp == 1 or self.precision.master_weights:
-            return model
-        from torch.nn.parallel import DistributedDataParallel
-        return DistributedDataParallel(model, process_group=self.mesh.dp_group, broadcast_buffers=False)
+        self.state: dict[str, int] | None = None  # bytes of training state, measured at the first step
 
     def _throughput(self) -> Throughput:
         """Tokens and model FLOPs per optimizer step (whole world) against the device's peak."""
@@ -203,12 +172,6 @@ class Trainer:
         return [(x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
                 for x, y in self.batches.step_batches(step)]
 
-    def _grad_sync(self, micro: int) -> AbstractContextManager:
-        """DDP reduces over dp on the last micro-batch only; ``no_sync`` before it."""
-        if self.dp == 1 or micro == self.accum - 1:
-            return contextlib.nullcontext()
-        return self.dp_model.no_sync()
-
     def forward_backward(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
         """Forward and backward over ``micro_batches`` in the run's precision, each loss scaled by
         1/accum so the grads are the step's mean; under the bf16 recipe each micro-batch's bf16
@@ -218,15 +181,12 @@ class Trainer:
         weights = prec.compute_weights(self.model)  # bf16 copies, once per optimizer step (bf16 only)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for micro, (tokens, labels) in enumerate(micro_batches):
-            with self._grad_sync(micro), prec.weights_in(self.model, weights):
+            with self.data_parallel.micro_batch(micro, self.accum), prec.weights_in(self.model, weights):
                 with prec.autocast(), self.activations.measure():
                     loss = self.dp_model(tokens, labels)
                 (loss / self.accum).backward()
             prec.accumulate(self.model, weights)
             loss_sum += loss.detach().double() / self.accum
-        if weights is not None:
-            all_reduce_coalesced([p.grad for p in self.model.parameters() if p.grad is not None],
-                                 self.mesh.dp_group, mean=True)
         return loss_sum
 
     def agree(self, loss_sum: torch.Tensor, stop: bool, grad_norm: torch.Tensor | None = None
@@ -257,8 +217,8 @@ class Trainer:
         lr = self.set_lr(step)
         loss_sum = self.forward_backward(self.micro_batches(step))
         self.prefetch(step + 1)  # overlaps the next step's host-to-device copies with this one's tail
-        sync_sp_replicated_grads(self.model, self.mesh.tp_group)
-        grad_norm = clip_grad_norm_tp(self.model, self.tc.grad_clip, self.mesh.tp_group)
+        self.data_parallel.after_backward()  # bf16 recipe's dp reduction (ddp), SP grads summed over TP
+        grad_norm = self.data_parallel.clip(self.tc.grad_clip)
         loss, stop, finite, grad_norm = self.agree(loss_sum, self.stop_requested, grad_norm)
         grad_norm = grad_norm if finite else float("nan")  # the same on every rank
         skipped = not (finite and math.isfinite(loss))
@@ -271,6 +231,8 @@ class Trainer:
                               f"({len(self.history['skipped'])} so far, train.nonfinite_grads=skip)")
         else:
             self.optimizer.step()
+        if self.state is None:  # after the first step, when AdamW has its moments
+            self.state = state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         return StepMetrics(loss=loss, grad_norm=grad_norm, lr=lr, stop=stop, skipped=skipped)
 
@@ -297,15 +259,30 @@ class Trainer:
         return float(total)
 
     def save(self, step: int) -> Path:
-        """Checkpoint the model, optimizer, RNG streams and data position as step ``step``; every rank."""
+        """Checkpoint the model, optimizer, RNG streams and data position as step ``step``; every rank.
+        Each rank writes only its own shards. Under ``checkpoint.async`` the files are written in
+        the background and sealed by the next save or :meth:`close`; the folder is returned."""
         check_finite_weights(self.model, step)  # every rank, before any rank starts writing
         ck = self.cfg.checkpoint
-        extra = {"data": self.batches.state_dict(), "tp": self.mesh.tp_size, "dp": self.dp}
-        path = save_checkpoint(ck.dir, step, self.model, self.optimizer, extra, dump(self.cfg), self.model.rng,
-                               keep=ck.keep, attachments=self.attachments)
+        self.finish_pending_save()
+        extra = {"data": self.batches.state_dict(), "tp": self.mesh.tp_size, "dp": self.dp,
+                 "pp": self.mesh.pp_size, "data_parallel": self.dp_mode}
+        out = save_checkpoint(ck.dir, step, self.model, self.optimizer, extra, dump(self.cfg), self.model.rng,
+                              keep=ck.keep, attachments=self.attachments, async_save=ck.async_save)
+        if ck.async_save:
+            self._pending, path = out, out.final
+            self.logger.print(f"checkpoint started in the background: {path}")
+        else:
+            path = out
+            self.logger.print(f"checkpoint saved: {path}")
         self.history["checkpoint"] = str(path)
-        self.logger.print(f"checkpoint saved: {path}")
         return path
+
+    def finish_pending_save(self) -> None:
+        """Wait for a background checkpoint (``checkpoint.async``) and seal it; every rank."""
+        pending, self._pending = getattr(self, "_pending", None), None
+        if pending is not None:
+            self.logger.print(f"checkpoint saved: {pending.finish()}")
 
     def resume(self) -> int:
         """Load the newest complete checkpoint when ``checkpoint.resume`` is ``"auto"`` (any TP
@@ -370,6 +347,7 @@ class Trainer:
                     self.logger.print(self.activations.line(self.mc, t=self.mesh.tp_size,
                                                             micro_batch=self.tc.micro_batch,
                                                             activation_bytes=self.precision.activation_bytes))
+                    self.logger.print(state_line(self.state))
                 self.log_step(step + 1, m, time.perf_counter() - t0)
                 self._after_step(step + 1, m)
                 if m.stop:
@@ -383,7 +361,9 @@ class Trainer:
         return self.history
 
     def close(self) -> None:
-        """Restore the SIGTERM handler, close the metrics files, release the checkpoint dir."""
+        """Seal a background checkpoint, restore the SIGTERM handler, close the metrics files,
+        release the checkpoint dir."""
+        self.finish_pending_save()
         if self._stop is not None:
             self._stop.restore()
             self._stop = None

@@ -1,0 +1,102 @@
+"""Data parallelism for the Trainer: ``ddp`` (replicated state, all-reduced gradients) or ``fsdp``
+(parameters, gradients and AdamW state sharded over dp with FSDP2), behind one interface.
+
+Per optimizer step the Trainer asks, in order: :meth:`DataParallel.micro_batch` around each
+micro-batch's forward and backward (DDP's ``no_sync`` / FSDP's deferred reduce-scatter before
+the last one), :meth:`DataParallel.after_backward` (the bf16 recipe's fp32 dp all-reduce under
+ddp; the SP-replicated gradients summed over TP), then :meth:`DataParallel.clip` (the global
+norm with squares summed over tp for split tensors and over dp for FSDP's shards).
+"""
+from __future__ import annotations
+
+import contextlib
+from contextlib import AbstractContextManager
+
+import torch
+import torch.nn as nn
+
+from ..distributed.collectives import all_reduce_coalesced
+from ..distributed.grad_sync import sync_sp_replicated_grads
+from ..distributed.mesh import ParallelMesh
+from ..sharding import local_tensor
+from .fsdp import apply_fsdp, set_micro_batch, sync_sharded_sp_grads
+
+MODES = ("ddp", "fsdp")
+
+
+class DataParallel:
+    """Wraps ``model`` for ``mode`` over ``mesh``'s dp group. ``module`` is what the training
+    forward runs through; the parameters the optimizer and checkpoints use are ``model``'s own
+    (under fsdp, DTensors holding this rank's shard)."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, mode: str, *, precision: str = "fp32",
+                 master_weights: bool = False, reshard_after_forward: bool = True):
+        if mode not in MODES:
+            raise ValueError(f"parallel.data_parallel must be one of {list(MODES)}, got {mode!r}")
+        self.model, self.mesh, self.mode = model, mesh, mode
+        self.sharded = mode == "fsdp" and mesh.dp_size > 1
+        self.master_weights = master_weights  # ddp + the bf16 recipe: fp32 grads reduced here
+        if self.sharded:
+            self.module = apply_fsdp(model, mesh.dp_mesh, reshard_after_forward=reshard_after_forward,
+                                     precision=precision)
+        elif mesh.dp_size > 1 and not master_weights:
+            from torch.nn.parallel import DistributedDataParallel
+            kwargs = {"broadcast_buffers": False} if any(True for _ in model.buffers()) else {}
+            self.module = DistributedDataParallel(model, process_group=mesh.dp_group, **kwargs)
+        else:
+            self.module = model
+
+    def micro_batch(self, micro: int, accum: int) -> AbstractContextManager:
+        """Around micro-batch ``micro`` of ``accum``: gradients are reduced over dp on the last only."""
+        last = micro == accum - 1
+        if self.sharded:
+            set_micro_batch(self.model, last)
+            return contextlib.nullcontext()
+        if last or self.module is self.model:
+            return contextlib.nullcontext()
+        return self.module.no_sync()
+
+    def after_backward(self) -> None:
+        """Once per optimizer step, after the last backward: the bf16 recipe's fp32 gradients
+        averaged over dp (ddp), then SP-replicated gradients summed over TP (on the dp shards
+        under fsdp)."""
+        tp = self.mesh.tp_group
+        if self.master_weights and not self.sharded:
+            all_reduce_coalesced([p.grad for p in self.model.parameters() if p.grad is not None],
+                                 self.mesh.dp_group, mean=True)
+        if self.sharded:
+            sync_sharded_sp_grads(self.model, tp)
+        else:
+            sync_sp_replicated_grads(self.model, tp)
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Global gradient norm of the full model before clipping (clipped in place when > 0)."""
+        from ..train.optim import clip_grad_norm_tp
+        return clip_grad_norm_tp(self.model, max_norm, self.mesh.tp_group,
+                                 self.mesh.dp_group if self.sharded else None)
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds for training state, measured on the tensors themselves (their local
+    shards): ``parameters``, ``gradients`` (``.grad``) and ``optimizer`` (AdamW's moments and
+    step counters)."""
+    params = list(model.parameters())
+    out = {"parameters": sum(local_tensor(p).numel() * p.element_size() for p in params),
+           "gradients": sum(local_tensor(p.grad).numel() * p.grad.element_size() for p in params
+                            if p.grad is not None),
+           "optimizer": 0}
+    for st in optimizer.state.values():
+        for v in st.values():
+            if torch.is_tensor(v):
+                out["optimizer"] += local_tensor(v).numel() * v.element_size()
+    return out
+
+
+def state_line(measured: dict[str, int]) -> str:
+    """``state: X MiB per rank (parameters P, gradients G, optimizer O)``."""
+    mib = {k: v / 2**20 for k, v in measured.items()}
+    return (f"state: {sum(mib.values()):.2f} MiB per rank (parameters {mib['parameters']:.2f}, "
+            f"gradients {mib['gradients']:.2f}, optimizer {mib['optimizer']:.2f})")
+
+
+__all__ = ["DataParallel", "MODES", "state_bytes", "state_line"]

@@ -1,0 +1,246 @@
+"""The filesystem side of checkpoints: which folders are complete, sealing one, and one job per dir.
+
+A checkpoint counts only if its ``complete.json`` marker lists every file with its size (written
+last, after fsyncing every file and the folder). The save/load side is :mod:`seqpar.train.checkpoint`.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import time
+import warnings
+from pathlib import Path
+
+import torch.distributed as dist
+
+from .safe_metadata import capped_repr
+
+PREFIX = "step_"
+MARKER = "complete.json"
+LOCK = ".lock"
+_STEP = re.compile(r"step_(\d+)")
+
+
+# ---- completeness ------------------------------------------------------------------------------
+
+def _fsync(path: Path) -> None:
+    """Make ``path`` (a file, or a folder's entries) durable."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if path.is_dir() else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _step_of(path: Path) -> int | None:
+    m = _STEP.fullmatch(path.name)
+    return int(m.group(1)) if m else None
+
+
+def _seal(folder: Path, step: int) -> None:
+    """fsync every file and folder under ``folder``, then write the marker last and fsync it and ``folder``."""
+    files: dict[str, int] = {}
+    for p in sorted(folder.rglob("*")):
+        if p.name != MARKER:
+            _fsync(p)
+            if p.is_file():
+                files[p.relative_to(folder).as_posix()] = p.stat().st_size
+    _fsync(folder)
+    with open(folder / MARKER, "w") as f:
+        json.dump({"step": step, "files": files}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(folder)
+
+
+def checkpoint_problem(folder: str | Path) -> str | None:
+    """Why ``folder`` is not a complete checkpoint (no marker, a listed file missing or of another
+    size), or ``None`` when it is."""
+    folder = Path(folder)
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except FileNotFoundError:
+        return f"no {MARKER}"
+    except (OSError, ValueError) as e:
+        return f"unreadable {MARKER} ({e})"
+    files = marker.get("files") if isinstance(marker, dict) else None
+    if not isinstance(files, dict) or not {".metadata", "extra.json"} <= set(files):
+        return f"{MARKER} does not list the checkpoint's files"
+    if _step_of(folder) is not None and marker.get("step") != _step_of(folder):
+        return f"{MARKER} is for step {capped_repr(marker.get('step'))}"
+    for name, size in files.items():
+        try:
+            actual = (folder / name).stat().st_size
+        except (OSError, TypeError, ValueError):
+            return f"{capped_repr(name)} is missing"
+        if actual != size:
+            return f"{name} has {actual} bytes, {MARKER} says {capped_repr(size)}"
+    return None
+
+
+def _step_folders(root: Path) -> list[Path]:
+    """``step_N`` folders under ``root`` (complete or not), highest step first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and _step_of(p) is not None), key=_step_of, reverse=True)
+
+
+def _pointer(root: Path) -> str | None:
+    """The folder name ``latest`` holds, when it names a checkpoint folder."""
+    try:
+        name = (root / "latest").read_text().strip()
+    except OSError:
+        return None
+    return name if _STEP.fullmatch(name) else None
+
+
+def complete_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoint folders under ``root``, lowest step first (steps compared as integers)."""
+    return [p for p in reversed(_step_folders(Path(root))) if checkpoint_problem(p) is None]
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint to resume from: the one ``latest`` names when complete, else the highest-numbered
+    complete one; warns naming each incomplete checkpoint it skipped. ``None`` when there is none."""
+    root = Path(root)
+    named = _pointer(root)
+    skipped: list[str] = []
+    chosen = None
+    for p in sorted(_step_folders(root), key=lambda p: p.name != named):  # stable: then by step, highest first
+        problem = checkpoint_problem(p)
+        if problem is None:
+            chosen = p
+            break
+        skipped.append(f"checkpoint {p} is incomplete ({problem})")
+    for why in skipped:
+        warnings.warn(f"{why} and was skipped; using {chosen or 'no checkpoint'}", stacklevel=2)
+    return chosen
+
+
+# ---- committing ----------------------------------------------------------------------------
+
+def _write_pointer(root: Path, name: str) -> None:
+    """Replace ``latest`` atomically (and durably) with ``name``."""
+    pointer = root / "latest.tmp"
+    with open(pointer, "w") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(pointer, root / "latest")
+    _fsync(root)
+
+
+def _commit(root: Path, tmp: Path, final: Path) -> None:
+    """Move the sealed ``tmp`` into place as ``final``. An existing ``final`` is set aside first and
+    deleted only once the new one is in and ``latest`` names it, so a complete copy always exists."""
+    aside = root / f"{final.name}.old"
+    if final.exists():
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    _fsync(root)
+    _write_pointer(root, final.name)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _prune(root: Path, final: Path, keep: int) -> None:
+    """Keep ``keep`` checkpoints: ``final``, the one ``latest`` names, then the highest-numbered
+    complete others (steps as integers). ``keep <= 0`` keeps everything."""
+    if keep <= 0:
+        return
+    protected = {final.name, _pointer(root)}
+    room = max(keep - sum((root / n).is_dir() for n in protected if n), 0)
+    others = [p for p in reversed(complete_checkpoints(root)) if p.name not in protected]
+    for old in others[room:]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- one job per checkpoint dir ----------------------------------------------------------------
+
+class CheckpointDir:
+    """A job's hold on its checkpoint dir (see :func:`open_checkpoint_dir`); :meth:`close` releases it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self._lock_file = None  # open and flock-ed on the first rank
+
+    def lock(self) -> None:
+        """Take the exclusive lock or raise ``RuntimeError`` naming the holder (host, pid, since)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        f = open(self.root / LOCK, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read(400).strip() or "unknown holder"
+            f.close()
+            raise RuntimeError(f"checkpoint dir {self.root} is in use by another job ({holder}); two jobs must "
+                               f"not share checkpoint.dir: give this one its own or stop the other") from None
+        except OSError as e:
+            f.close()
+            raise RuntimeError(f"cannot lock checkpoint dir {self.root} ({e}); multi-node runs need a shared "
+                               f"filesystem with flock support for checkpoint.dir") from e
+        f.seek(0)
+        f.truncate()
+        f.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
+        f.flush()
+        self._lock_file = f
+
+    def close(self) -> None:
+        """Release the lock (idempotent)."""
+        if self._lock_file is not None:
+            fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+            self._lock_file.close()
+            self._lock_file = None
+
+    def __enter__(self) -> CheckpointDir:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _clean(root: Path) -> None:
+    """Remove ``step_N.tmp`` folders and ``latest.tmp`` left by crashed saves; put back a
+    ``step_N.old`` whose replacement never arrived (delete it when ``step_N`` exists)."""
+    for p in root.iterdir():
+        base = root / p.name.rsplit(".", 1)[0]
+        if p.name == "latest.tmp":
+            p.unlink()
+        elif p.is_dir() and p.suffix == ".tmp" and _step_of(base) is not None:
+            shutil.rmtree(p)
+        elif p.is_dir() and p.suffix == ".old" and _step_of(base) is not None:
+            if base.exists():
+                shutil.rmtree(p)
+            else:
+                os.replace(p, base)
+    _fsync(root)
+
+
+def open_checkpoint_dir(root: str | Path, is_first: bool) -> CheckpointDir:
+    """Claim ``root`` for this job; call on every rank at start-up (a collective when distributed).
+    The first rank (global rank 0) creates ``root``, takes an exclusive ``flock`` on ``root/.lock``
+    held until :meth:`CheckpointDir.close`, and cleans up after crashed saves (:func:`_clean`). If
+    another job holds the lock, every rank raises ``RuntimeError`` naming it (host, pid)."""
+    handle, error = CheckpointDir(Path(root)), None
+    if is_first:
+        try:
+            handle.lock()
+            _clean(handle.root)
+        except Exception as e:  # reported on every rank below, so no rank waits in a collective
+            handle.close()
+            error = e
+    if dist.is_initialized():
+        messages: list = [None] * dist.get_world_size()
+        dist.all_gather_object(messages, None if error is None else str(error))
+        failed = next((m for m in messages if m is not None), None)
+        if failed is not None and error is None:
+            handle.close()
+            raise RuntimeError(failed)
+    if error is not None:
+        raise error
+    return handle

@@ -1,0 +1,46 @@
+"""Edges a user meets first: a t=2 script started with plain python, the caller's Hugging Face
+config left alone by attention checkpointing, sampling from a padded vocabulary."""
+import pytest
+import torch
+
+import seqpar
+from seqpar.model import GPT, GPTConfig
+from seqpar.train.generate import sample
+
+
+def test_a_parallel_script_started_without_torchrun_says_how_to_start_it(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match=r"torchrun --nproc-per-node 2"):
+        seqpar.init_parallel(tp=2)
+    with pytest.raises(ValueError, match=r"torchrun --nproc-per-node 4"):
+        seqpar.init_parallel(tp=2, pp=2)
+    assert seqpar.init_parallel(tp=1).world_size == 1  # one process needs no launcher
+
+
+def test_checkpoint_attention_leaves_the_callers_config_alone():
+    transformers = pytest.importorskip("transformers")
+    from seqpar.dropin import checkpoint_attention
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16,
+                                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 32, (2, 8))
+    before = model(input_ids=ids, labels=ids).loss
+    checkpoint_attention(model)
+    assert config._attn_implementation == "eager", "the caller's config object was changed"
+    assert model.config is not config and model.config._attn_implementation != "eager"
+    assert all(m.config is model.config for m in model.modules() if hasattr(m, "config"))
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, before)
+
+
+def test_sampling_from_a_padded_vocabulary_draws_the_unpadded_models_tokens():
+    base = dict(vocab_size=50, seq_len=16, hidden=16, heads=2, layers=1, dropout=0.0, attention_dropout=0.0)
+    plain, padded = GPT(GPTConfig(**base), seed=1), GPT(GPTConfig(**base, vocab_multiple=64), seed=1)
+    assert padded.padded_vocab == 64 and plain.padded_vocab == 50
+    for name, w in plain.dense_state_dict().items():
+        assert torch.equal(w, padded.dense_state_dict()[name]), name
+    for seed in range(3):
+        a = sample(plain, [1, 2, 3], 10, temperature=1.0, top_k=0, seed=seed)
+        b = sample(padded, [1, 2, 3], 10, temperature=1.0, top_k=0, seed=seed)
+        assert a == b and max(a) < 50
