@@ -79,8 +79,10 @@ VALID: dict[str, st.SearchStrategy] = {
     "model.recompute_num_layers": st.integers(1, 4), "model.kv_heads": st.sampled_from([None, 4]),
     "model.vocab_multiple": st.integers(1, 256), "model.rope_theta": _floats(1.0, 1e7),
     "model.rope_scaling": st.none() | ROPE_SCALING,
+    "model.recompute_layers": st.none() | st.lists(st.sampled_from(["none", "selective", "full"]), min_size=1,
+                                                   max_size=4),  # resized to model.layers in valid_values
     "parallel.tp": st.sampled_from([1, 2, 4]), "parallel.dp": st.none() | st.integers(1, 4096),
-    "parallel.pp": st.just(1), "parallel.virtual_stages": st.integers(1, 16),
+    "parallel.pp": st.just(1), "parallel.virtual_stages": st.just(1),  # m > 1 needs pp > 1 dividing L
     "parallel.timeout_minutes": _floats(0.0, 1e6, exclude_min=True),
     "parallel.data_parallel": st.sampled_from([None, "ddp", "fsdp"]),
     "parallel.pp_schedule": st.sampled_from([None, "1F1B", "Interleaved1F1B", "GPipe"]),
@@ -93,6 +95,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "train.grad_clip": _floats(0.0, 1e3), "train.seed": st.integers(-2**63, 2**64),
     "train.log_interval": st.integers(1, 10**4), "train.eval_interval": st.integers(0, 10**4),
     "train.eval_batches": st.integers(1, 1000), "train.threads_per_rank": st.integers(1, 256),
+    "train.memory_budget_gib": st.none() | _floats(0.0, 1e6, exclude_min=True),
     "checkpoint.dir": TEXT, "checkpoint.interval": st.integers(0, 10**6), "checkpoint.keep": st.integers(1, 1000),
     "out_dir": TEXT,
 }
@@ -117,6 +120,12 @@ def valid_values(draw) -> dict[str, Any]:
         values["model.position"] = "rope"  # scaling is for rotary positions only
     if values.get("model.mlp") == "swiglu" and "model.activation" in values:
         values["model.activation"] = "gelu"  # SwiGLU has its own activation
+    if values.get("model.recompute") == "auto" and values.get("train.memory_budget_gib") is None:
+        values["train.memory_budget_gib"] = 80.0  # auto chooses under a budget
+    modes = values.get("model.recompute_layers")
+    if modes is not None:  # one mode per layer
+        layers = values.get("model.layers", 12)
+        values["model.recompute_layers"] = (modes * layers)[:layers]
     return values
 
 NEG = st.floats(max_value=0.0, exclude_max=True).filter(lambda v: v < 0)
@@ -142,6 +151,8 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy] = {
     "train.min_lr": NEG | st.floats(min_value=1e-3, exclude_min=True) | NONFINITE,  # < 0, or above lr=1e-3
     "train.beta1": NEG | st.floats(min_value=1.0) | NONFINITE, "train.beta2": NEG | st.floats(min_value=1.0) | NONFINITE,
     "train.weight_decay": NEG | NONFINITE, "train.grad_clip": NEG | NONFINITE,
+    "train.memory_budget_gib": st.floats(max_value=0.0) | NONFINITE,
+    "model.recompute_layers": st.lists(st.sampled_from(["none", "selective", "full"]), max_size=11),  # layers = 12
     "checkpoint.interval": BELOW[0], "checkpoint.keep": BELOW[1],
 }
 OUT_OF_RANGE = {k: s for k, s in OUT_OF_RANGE.items() if k in SCHEMA}

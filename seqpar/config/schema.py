@@ -49,8 +49,8 @@ def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 class ParallelConfig:
     tp: int = 1                  # tensor-parallel size t (one node's GPUs on a cluster)
     dp: int | None = None        # data-parallel size; None = world size / tp
-    pp: int = 1                  # pipeline size: memory planning only (training supports pp=1)
-    virtual_stages: int = 1      # interleaved pipeline chunks m: memory planning only
+    pp: int = 1                  # pipeline stages p (outermost: each stage is dp x tp consecutive ranks)
+    virtual_stages: int = 1      # model chunks m per pipeline rank (the interleaved schedule)
     timeout_minutes: float = 10  # a collective waiting longer fails the job instead of hanging it
     # how gradients (and state) are shared over dp: "fsdp" shards parameters, gradients and AdamW
     # state over dp (FSDP2 fully_shard per block and on the root); "ddp" replicates them and
@@ -73,10 +73,11 @@ class ParallelConfig:
             check_choice("parallel.pp_schedule", self.pp_schedule, ("1F1B", "Interleaved1F1B", "GPipe"))
 
     def data_parallel_mode(self, dp: int) -> str:
-        """``ddp`` or ``fsdp`` for ``dp`` data-parallel ranks (``None`` resolves to fsdp when dp > 1)."""
+        """``ddp`` or ``fsdp`` for ``dp`` data-parallel ranks (``None`` resolves to fsdp when dp > 1
+        without pipeline stages)."""
         if self.data_parallel is not None:
             return self.data_parallel
-        return "fsdp" if dp > 1 else "ddp"
+        return "fsdp" if dp > 1 and self.pp == 1 else "ddp"
 
 
 @dataclass
@@ -114,6 +115,9 @@ class TrainConfig:
     # a step whose gradients hold NaN/inf: "stop" the run naming the step, or "skip" the optimizer
     # step (weights untouched) and count it
     nonfinite_grads: Literal["stop", "skip"] = "stop"
+    # GiB per GPU that model.recompute: auto must fit (state, activations and the planner's
+    # workspace allowance, seqpar.plan.memory); None = no budget
+    memory_budget_gib: float | None = None
 
     def validate(self) -> None:
         for name in ("steps", "micro_batch", "global_batch", "log_interval", "eval_batches", "threads_per_rank"):
@@ -129,6 +133,8 @@ class TrainConfig:
             check_number(f"train.{name}", getattr(self, name), rule)
         check_choice("train.precision", self.precision, ("auto", "fp32", "bf16", "bf16-autocast"))
         check_choice("train.nonfinite_grads", self.nonfinite_grads, ("stop", "skip"))
+        if self.memory_budget_gib is not None:
+            check_number("train.memory_budget_gib", self.memory_budget_gib, "> 0")
 
 
 @dataclass
@@ -161,10 +167,29 @@ class RunConfig:
         then the cross-section ones."""
         for section in (self.parallel, self.data, self.train, self.checkpoint):
             section.validate()
-        if self.parallel.pp != 1:
-            raise ValueError(f"parallel.pp={self.parallel.pp}: pipeline parallelism is for memory planning only "
-                             f"(`seqpar memory`); training needs pp=1")
+        if self.model.recompute == "auto" and self.train.memory_budget_gib is None:
+            raise ValueError("model.recompute=auto needs train.memory_budget_gib (GiB per GPU the per-layer "
+                             "recompute must fit); set it, or choose model.recompute none|selective|full")
+        self._validate_pipeline()
         self.model.check_parallel(self.parallel.tp)
+
+    def _validate_pipeline(self) -> None:
+        """Pipeline stages: L divisible into pp x virtual_stages stages, a schedule that fits m."""
+        pc, L = self.parallel, self.model.layers
+        if pc.pp == 1:
+            if pc.virtual_stages != 1:
+                raise ValueError(f"parallel.virtual_stages={pc.virtual_stages} needs parallel.pp > 1 (pp=1)")
+            return
+        stages = pc.pp * pc.virtual_stages
+        if L % stages:
+            raise ValueError(f"model.layers={L} is not divisible into pp x virtual_stages = {pc.pp} x "
+                             f"{pc.virtual_stages} = {stages} pipeline stages of equal depth")
+        if pc.pp_schedule in ("1F1B", "GPipe") and pc.virtual_stages != 1:
+            raise ValueError(f"parallel.pp_schedule={pc.pp_schedule} runs one stage per rank; "
+                             f"parallel.virtual_stages={pc.virtual_stages} needs Interleaved1F1B")
+        if pc.data_parallel == "fsdp":
+            raise ValueError(f"parallel.data_parallel=fsdp with parallel.pp={pc.pp} is not supported: pipeline "
+                             f"stages reduce their gradients over dp themselves (use ddp, the default with pp > 1)")
 
     def accumulation_steps(self, dp: int) -> int:
         """Micro-batches per optimizer step on each rank."""

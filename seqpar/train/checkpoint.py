@@ -106,7 +106,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
         dcp.save(state, storage_writer=writer, planner=PartsSavePlanner(parts), no_dist=not dist.is_initialized())
         future = None
     rng_file = tmp / f"rng_rank{_rank()}.pt"
-    torch.save(capture_rng(streams), rng_file)
+    torch.save(_capture(streams), rng_file)
     _fsync(rng_file)  # on a shared filesystem only the writing node can make its file durable
     if _rank() == 0:
         (tmp / "config.yaml").write_text(config_yaml)
@@ -116,6 +116,26 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
                                                     if dist.is_initialized() else 1, **extra}, indent=1))
     pending = PendingCheckpoint(root, tmp, final, step, keep, future)
     return pending if async_save else pending.finish()
+
+
+def _as_list(x) -> list:
+    return list(x) if isinstance(x, (list, tuple)) else ([] if x is None else [x])
+
+
+def _capture(streams) -> dict:
+    """RNG snapshot: torch's generators and the first streams (:func:`capture_rng`), plus the
+    states of further streams (one per pipeline stage on this rank)."""
+    streams = _as_list(streams)
+    snap = capture_rng(streams[0] if streams else None)
+    snap["more_streams"] = [s.get_state() for s in streams[1:]]
+    return snap
+
+
+def _restore(snap: dict, streams) -> None:
+    streams = _as_list(streams)
+    restore_rng(snap, streams[0] if streams else None)
+    for s, state in zip(streams[1:], snap.get("more_streams", [])):
+        s.set_state(state)
 
 
 _ASYNC_GROUP: list = []
@@ -166,23 +186,29 @@ def _reader(path: Path) -> SafeReader:
 
 
 @torch.no_grad()
-def load_checkpoint(path: str | Path, model, optimizer, streams: RNGStreams | None) -> dict:
-    """Load a complete checkpoint folder into ``model`` / ``optimizer`` at the current layout (any
-    tp, dp and data_parallel), each rank reading only the pieces of the dense tensors it holds.
-    Restores RNG states when the layout matches. Returns ``extra.json``'s content. Raises
-    ``ValueError`` for an incomplete checkpoint and for metadata seqpar would not write."""
+@torch.no_grad()
+def load_checkpoint(path: str | Path, model, optimizer, streams) -> dict:
+    """Load a complete checkpoint folder into ``model`` (the GPT, or a list of this rank's pipeline
+    stages) and ``optimizer`` at the current layout (any tp, dp, pp and data_parallel), each rank
+    reading only the pieces of the dense tensors it holds. Restores RNG states (``streams``: one
+    RNGStreams or a list, one per stage) when the layout matches. Returns ``extra.json``'s
+    content. Raises ``ValueError`` for an incomplete checkpoint and for metadata seqpar would not write."""
     path = Path(path)
     extra = _require_complete(path)
     reader = _reader(path)
-    optimizer_moments(model, optimizer, create=True, step=float(extra.get("step", 0)))
+    modules = _as_list(model)
+    for module in modules:
+        optimizer_moments(module, optimizer, create=True, step=float(extra.get("step", 0)))
     state = {"optim_step": torch.tensor(0.0)}
-    dcp.load(state, storage_reader=reader, planner=PartsLoadPlanner(training_parts(model, optimizer)))
+    dcp.load(state, storage_reader=reader, planner=PartsLoadPlanner(training_parts(modules, optimizer)))
     for st in optimizer.state.values():
         st["step"].fill_(float(state["optim_step"]))
     world = dist.get_world_size() if dist.is_initialized() else 1
     rng_file = path / f"rng_rank{_rank()}.pt"
-    if extra.get("world_size") == world and extra.get("tp") == model.tp_size and rng_file.is_file():
-        restore_rng(torch.load(rng_file, weights_only=True), streams)
+    layout = (modules[0].tp_size, len(modules), getattr(modules[0], "num_stages", 1))
+    saved = (extra.get("tp"), extra.get("virtual_stages", 1), extra.get("pp", 1) * extra.get("virtual_stages", 1))
+    if extra.get("world_size") == world and saved == layout and rng_file.is_file():
+        _restore(torch.load(rng_file, weights_only=True), streams)
     return extra
 
 

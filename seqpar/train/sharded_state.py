@@ -26,7 +26,9 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..model.vocab import VOCAB_PARAMS
 from ..sharding import ParamLayout, local_tensor, param_layouts
+from ..sharding import dense_shapes as sharding_dense_shapes
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -97,20 +99,27 @@ def _fsdp_row_start(p: torch.Tensor, local: torch.Tensor) -> int:
     return min(mesh.get_local_rank() * size, p.shape[0])
 
 
+def dense_shapes_of(module: nn.Module) -> dict[str, torch.Size]:
+    """Parameter name -> dense shape for a seqpar ``GPT`` or pipeline stage (``tp_group``,
+    ``config``): the vocabulary tables with their true ``vocab_size`` rows."""
+    shapes = sharding_dense_shapes(module, module.tp_group)
+    v = module.config.vocab_size
+    return {k: torch.Size((v, *s[1:])) if k in VOCAB_PARAMS else s for k, s in shapes.items()}
+
+
 def model_parts(model: nn.Module, tensors: dict[str, torch.Tensor], *, prefix: str) -> dict[str, DenseParts]:
     """``prefix + name`` -> the dense parts this rank holds of ``tensors[name]`` (parameters or
-    AdamW moments keyed by parameter name; shaped and placed like the parameter)."""
-    params = dict(model.named_parameters())
-    shapes = model._dense_shapes()
+    AdamW moments keyed by parameter name; shaped and placed like the parameter). ``model``: a
+    seqpar ``GPT`` or one pipeline stage of it (parameters under the GPT's names)."""
+    shapes = dense_shapes_of(model)
     t, rank = model.tp_size, model.tp_rank
-    vocab = {n for n in ("wte.weight", "lm_head.weight") if n in params}
     out = {}
     for name, layout in param_layouts(model).items():
         if name not in tensors:
             continue
         full, local = tensors[name], local_tensor(tensors[name])
         pieces = dense_pieces(local.detach(), layout, full.shape, rank, t, row_start=_fsdp_row_start(full, local),
-                              dense_rows=shapes[name][0] if name in vocab else None)
+                              dense_rows=shapes[name][0] if name in VOCAB_PARAMS else None)
         out[prefix + name] = DenseParts(shapes[name], pieces)
     return out
 
@@ -133,12 +142,16 @@ def optimizer_moments(model: nn.Module, optimizer: torch.optim.Optimizer, *, cre
     return out
 
 
-def training_parts(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, DenseParts]:
-    """Every dense part of the model's parameters and (with ``optimizer``) its AdamW moments on this rank."""
-    parts = model_parts(model, dict(model.named_parameters()), prefix="model.")
-    if optimizer is not None:
-        for key, tensors in optimizer_moments(model, optimizer).items():
-            parts.update(model_parts(model, tensors, prefix=f"optim.{key}."))
+def training_parts(modules: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer | None
+                   ) -> dict[str, DenseParts]:
+    """Every dense part of the parameters and (with ``optimizer``) AdamW moments of ``modules``
+    (the GPT, or this rank's pipeline stages) on this rank."""
+    parts: dict[str, DenseParts] = {}
+    for module in modules if isinstance(modules, (list, tuple)) else [modules]:
+        parts.update(model_parts(module, dict(module.named_parameters()), prefix="model."))
+        if optimizer is not None:
+            for key, tensors in optimizer_moments(module, optimizer).items():
+                parts.update(model_parts(module, tensors, prefix=f"optim.{key}."))
     return parts
 
 
@@ -210,5 +223,5 @@ class PartsLoadPlanner(DefaultLoadPlanner):
         return super().resolve_tensor(read_item)
 
 
-__all__ = ["DenseParts", "MOMENTS", "PartsLoadPlanner", "PartsSavePlanner", "Piece", "dense_pieces",
+__all__ = ["DenseParts", "MOMENTS", "PartsLoadPlanner", "PartsSavePlanner", "Piece", "dense_pieces", "dense_shapes_of",
            "model_parts", "optimizer_moments", "training_parts"]

@@ -19,6 +19,7 @@ received SIGTERM.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -35,14 +36,17 @@ from ..config import RunConfig, dump
 from ..distributed.mesh import ParallelMesh, init_parallel, validate_layout
 from ..model import GPT
 from ..parallel.data_parallel import DataParallel, state_bytes, state_line
+from ..parallel.pipeline import check_microbatches, resolve_schedule
 from .activations import ActivationProbe
 from .batches import Batch
-from .checkpoint import latest_checkpoint, load_checkpoint, open_checkpoint_dir, save_checkpoint
+from .checkpoint import open_checkpoint_dir
 from .run_data import data_streams, load_corpus, tokenizer_attachment
-from .faults import StopRequest, check_finite_weights, check_tokenizer, nonfinite_error, nonfinite_what
+from .trainer_checkpoints import TrainerCheckpoints
+from .faults import StopRequest, nonfinite_error, nonfinite_what
 from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, lr_at
+from .pipeline_run import PipelineRun
 from .precision import Precision
 
 @dataclass(frozen=True)
@@ -60,7 +64,7 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
-class Trainer:
+class Trainer(TrainerCheckpoints):
     """Trains ``cfg.model`` on ``cfg.data`` as configured. Build it on every rank (it validates the
     config before any collective), then call :meth:`fit`; the other methods are its steps."""
 
@@ -92,14 +96,30 @@ class Trainer:
     def _setup_mesh(self, mesh: ParallelMesh | None) -> ParallelMesh:
         """Check the layout against the world size, then build the mesh unless one was given."""
         pc = self.cfg.parallel
-        self.dp = validate_layout(pc.tp, pc.dp, mesh.world_size if mesh else _world_size())
+        self.dp = validate_layout(pc.tp, pc.dp, mesh.world_size if mesh else _world_size(), pc.pp)
+        if pc.pp > 1 and self.tc.global_batch is None:
+            self._split_for_pipeline()
         self.accum = self.cfg.accumulation_steps(self.dp)  # micro-batches per optimizer step
         self.dp_mode = pc.data_parallel_mode(self.dp)  # "ddp" | "fsdp"
+        if pc.pp > 1:  # pure arithmetic: every rank fails alike, before any collective
+            check_microbatches(self.accum, pc.pp, resolve_schedule(pc.pp_schedule, pc.virtual_stages))
         if mesh is None:
-            mesh = init_parallel(pc.tp, pc.dp, timeout=timedelta(minutes=pc.timeout_minutes))
+            mesh = init_parallel(pc.tp, pc.dp, pp=pc.pp, timeout=timedelta(minutes=pc.timeout_minutes))
         if mesh.device.type == "cpu":
             torch.set_num_threads(self.tc.threads_per_rank)
         return mesh
+
+    def _split_for_pipeline(self) -> None:
+        """pp > 1 without ``train.global_batch``: the step's batch stays ``micro_batch x dp`` (the
+        run p = 1 would train) and runs as ``pp`` micro-batches, the fewest 1F1B needs."""
+        tc, pp = self.tc, self.cfg.parallel.pp
+        if tc.micro_batch % pp:
+            raise ValueError(f"parallel.pp={pp} needs at least {pp} micro-batches per step: set train.global_batch "
+                             f"(a multiple of micro_batch x dp x {pp}), or a train.micro_batch divisible by {pp} "
+                             f"(got {tc.micro_batch})")
+        tc = dataclasses.replace(tc, micro_batch=tc.micro_batch // pp, global_batch=tc.micro_batch * self.dp)
+        self.cfg = dataclasses.replace(self.cfg, train=tc)
+        self.tc = tc
 
     def _announce(self) -> None:
         """Print the layout and the resolved config; the first rank writes ``config.yaml``."""
@@ -119,16 +139,25 @@ class Trainer:
         self.attachments = tokenizer_attachment(self.cfg, self.corpus, self.mesh.is_first)
 
     def _setup_model(self) -> None:
-        """GPT built from seqpar layers on the mesh, wrapped for data parallelism, then its optimizer."""
+        """GPT built from seqpar layers on the mesh, wrapped for data parallelism (or cut into this
+        rank's pipeline stages when pp > 1), then its optimizer."""
         tc = self.tc
-        self.model = GPT(self.mc, self.mesh, seed=tc.seed)
+        self.pipeline = self.data_parallel = None
+        if self.mesh.pp_size > 1:
+            self.pipeline = PipelineRun(self.cfg, self.mesh, self.accum, self.precision)
+            self.model = self.pipeline.module  # an nn.ModuleList of this rank's stages
+            self.logger.print(f"parameters: {sum(p.numel() for p in self.model.parameters()):,} in pipeline "
+                              f"stage(s) {[part.index for part in self.pipeline.parts]} on this rank "
+                              f"({self.pipeline.schedule}, {self.accum} micro-batches per step)")
+        else:
+            self.model = GPT(self.mc, self.mesh, seed=tc.seed)
+            self.logger.print(f"parameters: {self.model.num_parameters():,} in the full model, "
+                              f"{self.model.num_parameters(False):,} on this rank")
+            self.data_parallel = DataParallel(self.model, self.mesh, self.dp_mode, precision=self.precision.name,
+                                              master_weights=self.precision.master_weights,
+                                              reshard_after_forward=self.cfg.parallel.reshard_after_forward)
         self.precision.check_model(self.model)
-        self.logger.print(f"parameters: {self.model.num_parameters():,} in the full model, "
-                          f"{self.model.num_parameters(False):,} on this rank")
-        self.data_parallel = DataParallel(self.model, self.mesh, self.dp_mode, precision=self.precision.name,
-                                          master_weights=self.precision.master_weights,
-                                          reshard_after_forward=self.cfg.parallel.reshard_after_forward)
-        self.dp_model = self.data_parallel.module  # what the training forward runs through
+        self.dp_model = self.data_parallel.module if self.data_parallel else None  # the training forward's module
         self.optimizer = build_optimizer(self.model, lr=tc.lr, weight_decay=tc.weight_decay,
                                          betas=(tc.beta1, tc.beta2))
         self.state: dict[str, int] | None = None  # bytes of training state, measured at the first step
@@ -177,6 +206,8 @@ class Trainer:
         1/accum so the grads are the step's mean; under the bf16 recipe each micro-batch's bf16
         grads are added into the fp32 masters and reduced over dp in fp32 afterwards. Returns this
         rank's mean loss as a float64 scalar on the mesh device (no host sync)."""
+        if self.pipeline is not None:  # the schedule runs all micro-batches through the stages
+            return self.pipeline.forward_backward(list(micro_batches))
         prec = self.precision
         weights = prec.compute_weights(self.model)  # bf16 copies, once per optimizer step (bf16 only)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
@@ -217,8 +248,11 @@ class Trainer:
         lr = self.set_lr(step)
         loss_sum = self.forward_backward(self.micro_batches(step))
         self.prefetch(step + 1)  # overlaps the next step's host-to-device copies with this one's tail
-        self.data_parallel.after_backward()  # bf16 recipe's dp reduction (ddp), SP grads summed over TP
-        grad_norm = self.data_parallel.clip(self.tc.grad_clip)
+        if self.pipeline is not None:  # grads already reduced by the pipeline (TP, tied pair, dp)
+            grad_norm = self.pipeline.clip(self.tc.grad_clip)
+        else:
+            self.data_parallel.after_backward()  # bf16 recipe's dp reduction (ddp), SP grads summed over TP
+            grad_norm = self.data_parallel.clip(self.tc.grad_clip)
         loss, stop, finite, grad_norm = self.agree(loss_sum, self.stop_requested, grad_norm)
         grad_norm = grad_norm if finite else float("nan")  # the same on every rank
         skipped = not (finite and math.isfinite(loss))
@@ -246,57 +280,20 @@ class Trainer:
                              f"split (data.eval_fraction={self.cfg.data.eval_fraction}) is shorter than "
                              f"seq_len + 1 = {self.mc.seq_len + 1} tokens")
         device, prec = self.mesh.device, self.precision
-        self.model.eval()
-        total = torch.zeros((), dtype=torch.float64, device=device)
-        with prec.weights_in(self.model, prec.compute_weights(self.model)), prec.autocast():
-            for tokens, labels in self.evals:
-                total += self.model(tokens.to(device), labels.to(device)).double()
-        self.model.train()
-        total /= len(self.evals)
+        if self.pipeline is not None:
+            total = self.pipeline.evaluate(self.evals)
+        else:
+            self.model.eval()
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            with prec.weights_in(self.model, prec.compute_weights(self.model)), prec.autocast():
+                for tokens, labels in self.evals:
+                    total += self.model(tokens.to(device), labels.to(device)).double()
+            self.model.train()
+            total /= len(self.evals)
         if dist.is_initialized():
             dist.all_reduce(total)
             total /= dist.get_world_size()
         return float(total)
-
-    def save(self, step: int) -> Path:
-        """Checkpoint the model, optimizer, RNG streams and data position as step ``step``; every rank.
-        Each rank writes only its own shards. Under ``checkpoint.async`` the files are written in
-        the background and sealed by the next save or :meth:`close`; the folder is returned."""
-        check_finite_weights(self.model, step)  # every rank, before any rank starts writing
-        ck = self.cfg.checkpoint
-        self.finish_pending_save()
-        extra = {"data": self.batches.state_dict(), "tp": self.mesh.tp_size, "dp": self.dp,
-                 "pp": self.mesh.pp_size, "data_parallel": self.dp_mode}
-        out = save_checkpoint(ck.dir, step, self.model, self.optimizer, extra, dump(self.cfg), self.model.rng,
-                              keep=ck.keep, attachments=self.attachments, async_save=ck.async_save)
-        if ck.async_save:
-            self._pending, path = out, out.final
-            self.logger.print(f"checkpoint started in the background: {path}")
-        else:
-            path = out
-            self.logger.print(f"checkpoint saved: {path}")
-        self.history["checkpoint"] = str(path)
-        return path
-
-    def finish_pending_save(self) -> None:
-        """Wait for a background checkpoint (``checkpoint.async``) and seal it; every rank."""
-        pending, self._pending = getattr(self, "_pending", None), None
-        if pending is not None:
-            self.logger.print(f"checkpoint saved: {pending.finish()}")
-
-    def resume(self) -> int:
-        """Load the newest complete checkpoint when ``checkpoint.resume`` is ``"auto"`` (any TP
-        layout); returns the step to start from (0 when there is none)."""
-        ck = self.cfg.checkpoint
-        latest = latest_checkpoint(ck.dir) if ck.resume == "auto" else None
-        if latest is None:
-            return self.start_step
-        check_tokenizer(latest, self.corpus.tokenizer, self.cfg.data.source)
-        extra = load_checkpoint(latest, self.model, self.optimizer, self.model.rng)
-        self.start_step = int(extra["step"])
-        self.batches.load_state_dict(extra["data"])
-        self.logger.print(f"resumed from {latest} at step {self.start_step}")
-        return self.start_step
 
     def sample(self, prompt: str = "def ", max_new_tokens: int = 48) -> str:
         """Text continuing ``prompt`` (seeded by ``train.seed``); a collective under TP, call on every rank."""
@@ -319,6 +316,9 @@ class Trainer:
                                **self.throughput.report()})
         if self.mesh.device.type == "cuda":
             self.logger.print(f"           memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB peak")
+        bubble = self.pipeline.bubble_line() if self.pipeline is not None else None
+        if bubble:
+            self.logger.print(bubble)
 
     def _after_step(self, done: int, m: StepMetrics) -> None:
         """Evaluate and checkpoint when due (a stop request forces a checkpoint)."""
@@ -344,7 +344,8 @@ class Trainer:
                 self.history["steps"].append(step + 1)
                 self.history["losses"].append(m.loss)
                 if step == self.start_step:  # measured during this first step; printed once
-                    self.logger.print(self.activations.line(self.mc, t=self.mesh.tp_size,
+                    self.logger.print(self.pipeline.memory_line() if self.pipeline is not None else
+                                      self.activations.line(self.mc, t=self.mesh.tp_size,
                                                             micro_batch=self.tc.micro_batch,
                                                             activation_bytes=self.precision.activation_bytes))
                     self.logger.print(state_line(self.state))
@@ -354,8 +355,10 @@ class Trainer:
                     self.logger.print(f"SIGTERM received: checkpoint written at step {step + 1}, exiting cleanly")
                     stopped = True
                     break
-            if self.corpus.tokenizer is not None and not stopped:
+            if self.corpus.tokenizer is not None and not stopped and self.pipeline is None:
                 self.logger.print("sample:\n" + self.sample())
+            elif self.pipeline is not None and self.history["checkpoint"]:
+                self.logger.print(f"sample: seqpar generate {self.cfg.checkpoint.dir} (one process, any layout)")
         finally:
             self.close()
         return self.history

@@ -1,0 +1,93 @@
+"""The Trainer with pipeline stages (parallel.pp > 1): the same run as p = 1, evaluation through the
+pipeline, the launcher's bubble and memory lines, and checkpoints that resume at another pp."""
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from seqpar import init_parallel
+from seqpar.config import load_run_config
+from seqpar.train import Trainer
+
+
+def _overrides(tmp: Path, **extra) -> list[str]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    np.save(tmp / "tokens.npy", np.random.default_rng(0).integers(0, 64, size=6000).astype(np.uint16))
+    cfg = {"model.vocab_size": 64, "model.vocab_multiple": 3, "model.seq_len": 16, "model.hidden": 16,
+           "model.heads": 4, "model.layers": 4, "model.dropout": 0.0, "model.attention_dropout": 0.0,
+           "model.sequence_parallel": True, "model.recompute": "selective", "model.tie_embeddings": False,
+           "train.steps": 6, "train.micro_batch": 2, "train.global_batch": 8, "train.warmup_steps": 2,
+           "train.eval_interval": 5, "train.eval_batches": 2, "train.seed": 3, "train.precision": "fp32",
+           "data.source": str(tmp / "tokens.npy"), "checkpoint.dir": str(tmp / "ckpt"), "checkpoint.resume": "auto",
+           "out_dir": str(tmp / "out")}
+    cfg.update({k.replace("__", "."): v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in cfg.items()]
+
+
+def _run(tmp: Path, tp: int, pp: int, save_at: int | None = None, **extra) -> dict:
+    trainer = Trainer(load_run_config(None, _overrides(tmp, parallel__tp=tp, parallel__pp=pp, **extra)),
+                      mesh=init_parallel(tp=tp, pp=pp))
+    out = {"losses": [], "accum": trainer.accum, "micro_batch": trainer.tc.micro_batch}
+    try:
+        start = out["start"] = trainer.resume()
+        for step in range(start, trainer.tc.steps):
+            out["losses"].append(trainer.train_step(step).loss)
+            if step + 1 == save_at:
+                trainer.save(save_at)
+        out["eval"] = trainer.evaluate()
+        if trainer.pipeline is not None:
+            out["lines"] = (trainer.pipeline.memory_line(), trainer.pipeline.bubble_line())
+    finally:
+        trainer.close()
+    return out
+
+
+def _pipelines(rank, world, tmp):
+    tmp = Path(tmp)
+    return {"t2p2": _run(tmp / "t2p2", 2, 2, save_at=3),
+            "t1p2m2": _run(tmp / "t1p2m2", 1, 2, parallel__virtual_stages=2, model__tie_embeddings=True,
+                           model__recompute="full"),
+            "split": _run(tmp / "split", 2, 2, train__global_batch="null", train__micro_batch=4)}
+
+
+def _references(rank, world, tmp):
+    tmp = Path(tmp)
+    out = {"p1": _run(tmp / "p1", 1, 1), "p1_tied": _run(tmp / "p1_tied", 1, 1, model__tie_embeddings=True),
+           "p1_split": _run(tmp / "p1_split", 1, 1, train__global_batch="null", train__micro_batch=4)}
+    # the t=2 x p=2 checkpoint of step 3 resumes here at t=1 x p=1
+    out["resumed"] = _run(tmp / "t2p2", 1, 1)
+    return out
+
+
+def test_pipeline_training_equals_one_stage_and_resumes_at_another_pp(spawn, tmp_path):
+    res = spawn(_pipelines, 4, str(tmp_path))
+    ref = spawn(_references, 1, str(tmp_path))[0]
+    for r in res:  # every rank reports the same losses
+        assert r["t2p2"]["losses"] == res[0]["t2p2"]["losses"]
+    got = res[0]
+    assert got["t2p2"]["accum"] == 4 and len(got["t2p2"]["losses"]) == 6
+    assert got["t2p2"]["losses"] == pytest.approx(ref["p1"]["losses"], abs=1e-5)
+    assert got["t2p2"]["eval"] == pytest.approx(ref["p1"]["eval"], abs=1e-5)
+    assert got["t1p2m2"]["losses"] == pytest.approx(ref["p1_tied"]["losses"], abs=1e-5)
+    assert got["t1p2m2"]["eval"] == pytest.approx(ref["p1_tied"]["eval"], abs=1e-5)
+    # without train.global_batch the step's batch stays micro_batch x dp, as pp micro-batches
+    assert (got["split"]["accum"], got["split"]["micro_batch"]) == (2, 2)
+    assert got["split"]["losses"] == pytest.approx(ref["p1_split"]["losses"], abs=1e-5)
+    # the pipeline checkpoint (step 3) continues at p = 1 as the pipeline run did
+    assert ref["resumed"]["start"] == 3
+    assert ref["resumed"]["losses"] == pytest.approx(got["t2p2"]["losses"][3:], abs=1e-5)
+    memory, bubble = got["t2p2"]["lines"]
+    assert memory.startswith("activations: ") and "pipeline stage 0" in memory and "ratio" in memory
+    assert "pipeline bubble" in bubble and "(p-1)/(m n) = 0.250" in bubble
+
+
+def test_pipeline_config_errors_name_the_values():
+    with pytest.raises(ValueError, match=r"model.layers=6 is not divisible into pp x virtual_stages = 2 x 2 = 4"):
+        load_run_config(None, ["model.layers=6", "parallel.pp=2", "parallel.virtual_stages=2"])
+    with pytest.raises(ValueError, match=r"pp_schedule=1F1B.*virtual_stages=2 needs Interleaved1F1B"):
+        load_run_config(None, ["model.layers=8", "parallel.pp=2", "parallel.virtual_stages=2",
+                               "parallel.pp_schedule=1F1B"])
+    with pytest.raises(ValueError, match=r"data_parallel=fsdp with parallel.pp=2"):
+        load_run_config(None, ["model.layers=8", "parallel.pp=2", "parallel.data_parallel=fsdp"])
+    with pytest.raises(ValueError, match=r"virtual_stages=2 needs parallel.pp > 1"):
+        load_run_config(None, ["parallel.virtual_stages=2"])
