@@ -101,13 +101,17 @@ def config_model_flops(cfg: GPTConfig, *, B: int, t: int = 1) -> int:
 
 def config_hardware_flops(cfg: GPTConfig, *, B: int, t: int = 1, recompute: Recompute | None = None) -> int:
     """FLOPs executed per iteration, recomputation included (``recompute`` defaults to
-    ``cfg.recompute``): selective adds one forward of every attention core, full one forward of
-    every layer its plan checkpoints (``recompute_method`` / ``recompute_num_layers``). This
+    ``cfg.recompute``, or its per-layer ``recompute_layers``): selective adds one forward of every
+    attention core, full one forward of every layer its plan checkpoints (``recompute_method`` /
+    ``recompute_num_layers``). This
     counts what runs, as ``FlopCounterMode`` does; :func:`hardware_flops` keeps Appendix A's
     accounting, which charges the selective recompute three core forwards."""
     mode = cfg.recompute if recompute is None else recompute
     layer, core, _ = _config_parts(cfg, B, t)
     base = config_model_flops(cfg, B=B, t=t)
+    modes = cfg.layer_recompute() if recompute is None else None  # model.recompute_layers
+    if modes is not None:
+        return base + core * modes.count("selective") + layer * modes.count("full")
     if mode == "none":
         return base
     if mode == "selective":

@@ -5,6 +5,8 @@
 * ``full``: whole transformer blocks are recomputed; only each checkpointed unit's input is kept.
   ``uniform`` checkpoints groups of N consecutive layers (a trailing group may be smaller);
   ``block`` checkpoints each of the first N layers and keeps the rest.
+* per layer (``model.recompute_layers``): each layer none / selective / full; every full layer is
+  its own checkpointed unit (:func:`layer_recompute_plan`).
 
 :func:`checkpoint` snapshots the CPU, CUDA and seqpar dropout-stream RNG states at forward time
 and replays them for the recomputation, so the recomputed dropout masks are the ones the
@@ -13,7 +15,7 @@ forward pass used. It keeps its tensor inputs through ``save_for_backward`` (vis
 """
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Callable, Literal, Sequence
 
 import torch
 
@@ -73,3 +75,20 @@ def full_recompute_plan(layers: int, method: Literal["uniform", "block"], num_la
         n = min(num_layers, layers)
         return [(i, i + 1, True) for i in range(n)] + ([(n, layers, False)] if n < layers else [])
     raise ValueError(f"recompute_method must be 'uniform' or 'block', got {method!r}")
+
+
+def layer_recompute_plan(modes: Sequence[str]) -> list[tuple[int, int, bool]]:
+    """Runs ``(start, end, checkpointed)`` of a per-layer list: each ``full`` layer a checkpointed
+    run of its own, consecutive other layers one plain run.
+
+    ["none", "full", "full", "selective", "none"] -> [(0,1,F), (1,2,T), (2,3,T), (3,5,F)].
+    """
+    runs: list[tuple[int, int, bool]] = []
+    for i, mode in enumerate(modes):
+        if mode not in ("none", "selective", "full"):
+            raise ValueError(f"per-layer recompute mode {i} must be 'none', 'selective' or 'full', got {mode!r}")
+        if mode != "full" and runs and not runs[-1][2]:
+            runs[-1] = (runs[-1][0], i + 1, False)
+        else:
+            runs.append((i, i + 1, mode == "full"))
+    return runs

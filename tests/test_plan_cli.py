@@ -35,15 +35,31 @@ def test_best_layout_overrides_are_real_config_keys(capsys):
     line = next(ln for ln in out.splitlines() if ln.startswith("seqpar train paper/175b "))
     items = line.split()[3:]
     keys = {i.split("=")[0] for i in items}
-    assert {"parallel.tp", "parallel.pp", "parallel.virtual_stages", "parallel.dp", "train.micro_batch",
-            "model.sequence_parallel", "model.recompute"} <= keys
-    # every key exists and every value loads; training refuses only the pipeline, and says so
-    with pytest.raises(ValueError, match="parallel.pp=8"):
-        load_run_config("paper/175b", items)
-    assert "note: seqpar train refuses these overrides today: parallel.pp=8" in out
-    cfg = load_run_config("paper/175b", [i for i in items if not i.startswith(("parallel.pp", "parallel.virtual"))]
-                          + ["parallel.pp=1", "parallel.virtual_stages=1"])
-    assert (cfg.parallel.tp, cfg.train.micro_batch, cfg.model.recompute) == (8, 1, "selective")
+    assert {"parallel.tp", "parallel.pp", "parallel.virtual_stages", "parallel.pp_schedule", "parallel.dp",
+            "parallel.data_parallel", "train.micro_batch", "model.sequence_parallel", "model.recompute"} <= keys
+    # every key exists, every value loads and validates: seqpar train accepts the pipeline layout as printed
+    cfg = load_run_config("paper/175b", items)
+    cfg.validate()
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.train.micro_batch, cfg.model.recompute) == (8, 8, 1, "selective")
+    assert cfg.parallel.pp_schedule == "Interleaved1F1B" and cfg.parallel.data_parallel == "ddp"
+    assert "refuses" not in out and "not a config key" not in out
+
+
+def test_a_mixed_layout_prints_recompute_auto_that_resolves_to_the_same_mix():
+    """The best of --mixes is a per-layer mix: printed as model.recompute=auto with the GPU's budget,
+    and the Trainer's resolve_recompute of those overrides gives the planner's own per-layer list."""
+    from seqpar.plan.gpus import GPUS
+    from seqpar.plan.layout import Layout
+    from seqpar.plan.recompute import best_mix, layer_modes, resolve_recompute
+    from seqpar.plan.report import overrides
+    cfg = load_run_config("paper/22b")
+    layout = Layout(tp=8, pp=1, dp=1, micro_batch=4, sequence_parallel=True)
+    mix = best_mix(cfg.model, layout, GPUS["a100-80gb"].hbm_bytes, 4)
+    items, notes = overrides(Layout(8, 1, 1, 1, 4, True, mix), cfg.model, 4, "bf16", 80.0)
+    assert "model.recompute=auto" in items and "train.memory_budget_gib=80" in items
+    assert "model.recompute_layers=[" in notes[0]
+    resolved = resolve_recompute(load_run_config("paper/22b", items))
+    assert list(resolved.model.recompute_layers) == layer_modes(mix, 48)
 
 
 def test_one_layout_prints_its_predicted_time_and_memory(capsys):
@@ -105,3 +121,18 @@ def test_mixes_are_ranked_when_asked(capsys):
     assert plan_cli.main(["paper/22b", "--gpus", "8", "--gpu", "a100-80gb", "--space", "paper", "--mixes"]) == 0
     out = capsys.readouterr().out
     assert "rc=mix(none=" in out
+
+
+
+def test_a_config_with_recompute_auto_plans_its_own_per_layer_mix(tmp_path, capsys):
+    """No train.memory_budget_gib in the file: the planner resolves auto under the GPU's memory."""
+    import yaml
+    from seqpar.config.shipped import resolve_config
+    data = yaml.safe_load(resolve_config("paper/22b").read_text())
+    data["model"]["recompute"] = "auto"
+    cfg = tmp_path / "22b_auto.yaml"
+    cfg.write_text(yaml.safe_dump(data))
+    argv = [str(cfg), "--gpus", "8", "--gpu", "a100-80gb", "--mixes", "--space", "paper", "--top", "3"]
+    assert plan_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "the config's own layout (t=8 p=1 m=1 dp=1 b=4 sp=on rc=mix(none=17,sele=31)) ranks #2" in out

@@ -117,7 +117,7 @@ def _rank_main(rank: int, t: int, base: GPTConfig, b: int) -> dict[str, list[int
     for i, (tech, (label, sp, recompute)) in enumerate(ROWS.items()):
         cfg = dataclasses.replace(base, dtype="bfloat16", attention="math", dropout=0.1, attention_dropout=0.1,
                                   sequence_parallel=sp, recompute=recompute, recompute_method="uniform",
-                                  recompute_num_layers=1)
+                                  recompute_num_layers=1, recompute_layers=None)  # each row uniform
         net = GPT(cfg, mesh, seed=0)
         tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=torch.Generator().manual_seed(0))
         with ActivationLedger(net) as ledger:

@@ -5,7 +5,8 @@ differs in ways the paper's derivation already names, and this module applies th
 dropout off keeps no masks (and with attention dropout off the softmax output is also the
 dropout output); fp32 activations take 4 bytes where Table 2 counts 2; full recompute keeps one
 input per checkpointed unit of layers; and the §4.3 terms outside the layers (embedding dropout
-mask, final LayerNorm input, output-layer input, fp32 logits) are added. LayerNorm statistics
+mask, final LayerNorm input, output-layer input, fp32 logits) are added. A per-layer list
+(``model.recompute_layers``) sums each layer's own mode, a full layer keeping its input. LayerNorm statistics
 and integer token ids are small and left out, as in the paper.
 
 The Llama family generalises three terms (derivation in ``docs/memory.md``): RMSNorm keeps its
@@ -65,7 +66,13 @@ def model_activation_bytes(cfg: GPTConfig, *, t: int, micro_batch: int, activati
     ``{"layers": ..., "outside_layers": ..., "total": ...}``. ``activation_bytes``: 2 for bf16
     activations, 4 for fp32 (dropout masks stay 1 byte)."""
     s, b, L = seq_len or cfg.seq_len, micro_batch, cfg.layers
-    if cfg.recompute == "full":
+    modes = cfg.layer_recompute()  # model.recompute_layers: one mode per layer, each full layer its own unit
+    if modes is not None:
+        unit_input = Fraction(2 * s * b * cfg.hidden * activation_bytes, 2 * (t if cfg.sequence_parallel else 1))
+        per = {sel: sum(_layer_terms(cfg, s=s, b=b, t=t, act=activation_bytes, selective=sel).values())
+               for sel in (False, True)}
+        layers = sum(unit_input if m == "full" else per[m == "selective"] for m in modes)
+    elif cfg.recompute == "full":
         runs = full_recompute_plan(L, cfg.recompute_method, cfg.recompute_num_layers)
         unit_input = Fraction(2 * s * b * cfg.hidden * activation_bytes, 2 * (t if cfg.sequence_parallel else 1))
         kept = sum(end - begin for begin, end, ckpt in runs if not ckpt)

@@ -15,6 +15,9 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
+RECOMPUTE_MODES = ("none", "selective", "full")  # what one layer can do (model.recompute_layers)
+
+
 def _finite_positive(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
 
@@ -73,9 +76,13 @@ class GPTConfig:
     kv_heads: int | None = None    # key/value heads g (grouped-query attention); None: g = a
     vocab_multiple: int = 1        # embedding/output rows padded to a multiple of vocab_multiple x t
     sequence_parallel: bool = True # shard norms/dropout/residual along the sequence (needs t | seq)
-    recompute: Literal["none", "selective", "full"] = "selective"
+    # auto: per-layer modes chosen by seqpar.plan.resolve_recompute under train.memory_budget_gib
+    recompute: Literal["none", "selective", "full", "auto"] = "selective"
     recompute_method: Literal["uniform", "block"] = "uniform"  # full only: N-layer groups, or first N layers
     recompute_num_layers: int = 1  # N for full recompute
+    # per-layer modes, one per layer; when set they override recompute (each full layer is its own
+    # checkpointed unit; recompute_method / recompute_num_layers are then unused)
+    recompute_layers: tuple[Literal["none", "selective", "full"], ...] | None = None
     attention: Literal["math", "sdpa"] = "math"  # sdpa: PyTorch's fused kernels
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # parameter/activation dtype
 
@@ -119,7 +126,7 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.layernorm_eps must be a finite number > 0, got {self.layernorm_eps!r}")
         if not 0 <= self.init_std < float("inf"):
             raise ValueError(f"GPTConfig.init_std must be a finite number >= 0, got {self.init_std!r}")
-        choices = {"activation": ("gelu", "gelu_tanh"), "recompute": ("none", "selective", "full"),
+        choices = {"activation": ("gelu", "gelu_tanh"), "recompute": ("none", "selective", "full", "auto"),
                    "recompute_method": ("uniform", "block"), "attention": ("math", "sdpa"), "dtype": tuple(DTYPES),
                    "norm": ("layernorm", "rmsnorm"), "position": ("learned", "rope"), "mlp": ("gelu", "swiglu")}
         for name, allowed in choices.items():
@@ -128,7 +135,29 @@ class GPTConfig:
         if self.recompute == "full" and self.recompute_num_layers > self.layers:
             raise ValueError(f"GPTConfig.recompute_num_layers ({self.recompute_num_layers}) exceeds layers "
                              f"({self.layers})")
+        self._validate_recompute_layers()
         self._validate_llama_options()
+
+    def _validate_recompute_layers(self) -> None:
+        modes = self.recompute_layers
+        if modes is None:
+            return
+        if not isinstance(modes, (list, tuple)) or any(m not in RECOMPUTE_MODES for m in modes):
+            raise ValueError(f"GPTConfig.recompute_layers must be a list of {list(RECOMPUTE_MODES)}, got {modes!r}")
+        if len(modes) != self.layers:
+            raise ValueError(f"GPTConfig.recompute_layers has {len(modes)} entries but layers is {self.layers} "
+                             f"(model.recompute_layers needs one mode per layer of model.layers)")
+
+    def layer_recompute(self) -> tuple[str, ...] | None:
+        """The per-layer modes the model runs: ``recompute_layers`` if set, else ``None`` (uniform
+        ``recompute``). ``recompute: auto`` without them raises: resolve it first."""
+        if self.recompute_layers is not None:
+            return tuple(self.recompute_layers)
+        if self.recompute == "auto":
+            raise ValueError("GPTConfig.recompute='auto' has no per-layer modes yet: resolve it with "
+                             "seqpar.plan.resolve_recompute (needs train.memory_budget_gib), or set "
+                             "model.recompute_layers")
+        return None
 
     def _validate_llama_options(self) -> None:
         g = self.kv_heads

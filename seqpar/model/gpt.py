@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -19,10 +20,10 @@ from ..distributed.collectives import check_group, group_rank, group_size
 from ..distributed.mesh import ParallelMesh
 from ..distributed.rng import RNGStreams
 from ..layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy
-from ..recompute import checkpoint, full_recompute_plan
+from ..recompute import checkpoint, full_recompute_plan, layer_recompute_plan
 from ..sharding import mark_sp_replicated
 from .attention import SelfAttention
-from .config import GPTConfig
+from .config import RECOMPUTE_MODES, GPTConfig
 from .mlp import MLP
 from .norm import make_norm
 from .rope import RopeTables
@@ -118,7 +119,9 @@ class GPT(nn.Module):
                 mark_sp_replicated(self.wpe)  # each rank adds the position rows of its own shard
             mark_sp_replicated(self.ln_f)
         self.to(mesh.device)
-        self.set_recompute(config.recompute, config.recompute_method, config.recompute_num_layers)
+        modes = config.layer_recompute()  # recompute: auto must have been resolved to per-layer modes
+        self.set_recompute(config.recompute if modes is None else modes, config.recompute_method,
+                           config.recompute_num_layers)
 
     def _apply(self, fn, recurse: bool = True):
         """``.to()`` / ``.cuda()`` / ``.half()`` ...: the dropout streams follow the parameters' device."""
@@ -127,15 +130,27 @@ class GPT(nn.Module):
         return out
 
     # ------------------------------------------------------------------ recomputation
-    def set_recompute(self, mode: str, method: str = "uniform", num_layers: int = 1) -> None:
-        """Choose what backward recomputes: "none", "selective" (attention core) or "full"."""
-        if mode not in ("none", "selective", "full"):
-            raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {mode!r}")
-        for block in self.blocks:
-            block.attn.recompute = mode == "selective"
+    def set_recompute(self, mode: str | Sequence[str], method: str = "uniform", num_layers: int = 1) -> None:
+        """Choose what backward recomputes: "none", "selective" (attention core), "full" (``method``
+        groups of ``num_layers`` layers), or one of those per layer (a list of ``len(blocks)``:
+        selective layers recompute their attention core, each full layer is checkpointed alone)."""
         L = len(self.blocks)
-        self.runs = full_recompute_plan(L, method, num_layers) if mode == "full" else [(0, L, False)]
-        self.config.recompute, self.config.recompute_method, self.config.recompute_num_layers = mode, method, num_layers
+        if isinstance(mode, str):
+            if mode not in RECOMPUTE_MODES:
+                raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {mode!r}")
+            modes, per_layer = [mode] * L, None
+            self.runs = full_recompute_plan(L, method, num_layers) if mode == "full" else [(0, L, False)]
+        else:
+            modes = per_layer = tuple(mode)
+            if len(modes) != L:
+                raise ValueError(f"per-layer recompute needs one mode per layer: got {len(modes)} for {L} layers")
+            self.runs = layer_recompute_plan(modes)
+        for block, m in zip(self.blocks, modes):
+            block.attn.recompute = m == "selective"
+        cfg = self.config
+        cfg.recompute_layers = per_layer
+        if per_layer is None:
+            cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers = mode, method, num_layers
 
     def _run_blocks(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         for block in self.blocks[start:end]:

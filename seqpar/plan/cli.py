@@ -17,8 +17,8 @@ from pathlib import Path
 
 from ..memory.formulas import load_sections
 from .gpus import GIB, GPUS, custom_gpu, get_gpu
-from .layout import Layout, Recompute, parse_layout
-from .recompute import best_mix
+from .layout import MODES, Layout, Recompute, parse_layout
+from .recompute import auto_recompute_layers, best_mix, stage_layer_ids
 from .report import breakdown, check_overrides, overrides, plot, table
 from .search import PAPER_SPACE, Candidate, Problem, SearchSpace, evaluate, search
 
@@ -63,12 +63,29 @@ def _gpu(args: argparse.Namespace):
     return custom_gpu(**extra, **optional)
 
 
-def _config_layout(sections: dict, gpus: int) -> Layout:
+def _config_recompute(sections: dict, layout: Layout, budget_gib: float, precision: str, batch: int) -> Recompute:
+    """The config's recompute as the planner counts it: uniform, or per-layer (``model.recompute_layers``,
+    or ``auto`` resolved under ``train.memory_budget_gib``, else ``budget_gib``) counted on the first stage."""
+    model, par, train = sections["model"], sections["parallel"], sections["train"]
+    modes = model.recompute_layers
+    if modes is None and model.recompute == "auto":
+        modes = auto_recompute_layers(model, par, train, train.memory_budget_gib or budget_gib, precision, batch)
+    if modes is None:
+        return Recompute(model.recompute, model.recompute_method, model.recompute_num_layers)
+    mine = [modes[i] for i in stage_layer_ids(model.layers, layout.pp, layout.virtual_stages, 0)]
+    return Recompute("mixed", counts=tuple((m, mine.count(m)) for m in MODES))
+
+
+def _config_layout(sections: dict, problem: Problem) -> Layout:
     """The layout the config itself describes (dp defaults to the GPUs left over)."""
     model, par, train = sections["model"], sections["parallel"], sections["train"]
-    dp = par.dp or max(1, gpus // (par.tp * par.pp))
-    return Layout(par.tp, par.pp, dp, par.virtual_stages, train.micro_batch, model.sequence_parallel and par.tp > 1,
-                  Recompute(model.recompute, model.recompute_method, model.recompute_num_layers))
+    dp = par.dp or max(1, problem.gpus // (par.tp * par.pp))
+    mode = par.data_parallel_mode(dp) if hasattr(par, "data_parallel_mode") else "ddp"
+    layout = Layout(par.tp, par.pp, dp, par.virtual_stages, train.micro_batch,
+                    model.sequence_parallel and par.tp > 1, data_parallel=mode)
+    budget = problem.gpu.hbm_bytes / GIB
+    return replace(layout, recompute=_config_recompute(sections, layout, budget, problem.precision,
+                                                       problem.global_batch))
 
 
 def _mix_note(problem: Problem, best: Candidate) -> str | None:
@@ -80,7 +97,8 @@ def _mix_note(problem: Problem, best: Candidate) -> str | None:
         return None
     c = evaluate(problem, replace(best.layout, recompute=mix))
     return (f"per-layer recompute {mix.label()} on every stage fits too ({c.memory.total / GIB:.1f} GiB) and is "
-            f"predicted at {c.time.seconds:.2f} s ({c.time.seconds / best.time.seconds - 1:+.1%}); --mixes ranks mixes")
+            f"predicted at {c.time.seconds:.2f} s ({c.time.seconds / best.time.seconds - 1:+.1%}); --mixes ranks mixes, "
+            f"model.recompute=auto train.memory_budget_gib={problem.gpu.hbm_bytes / GIB:.10g} trains one")
 
 
 def _print_search(args, problem: Problem, sections: dict, name: str) -> None:
@@ -97,12 +115,17 @@ def _print_search(args, problem: Problem, sections: dict, name: str) -> None:
                          f"--layout to see which term overflows")
     top = result.ranked[:args.top]
     print(table(top) + "\n")
-    own = _config_layout(sections, problem.gpus)
+    try:
+        own = _config_layout(sections, problem)
+    except ValueError as err:  # recompute: auto that fits no budget, a layout of other GPUs
+        own = None
+        print(f"the config's own layout does not plan here: {err}\n")
     rank = next((i for i, c in enumerate(result.ranked, 1) if c.layout == own), None)
     if rank is not None:
         print(f"the config's own layout ({own.label()}) ranks #{rank}: {result.ranked[rank - 1].time.seconds:.2f} s\n")
     best = top[0]
-    items, notes = overrides(best.layout, problem.model, problem.global_batch, problem.precision)
+    items, notes = overrides(best.layout, problem.model, problem.global_batch, problem.precision,
+                             problem.gpu.hbm_bytes / GIB)
     print(f"best: {best.layout.label()}, predicted {best.time.seconds:.2f} s per step")
     print(f"seqpar train {args.config} " + " ".join(items))
     refused = check_overrides(args.config, items)

@@ -78,7 +78,7 @@ def per_layer_activations(model: GPTConfig, layout: Layout, precision: str = "bf
         out = {}
         for mode in MODES:
             cfg = replace(model, layers=1, recompute=mode, recompute_method="uniform", recompute_num_layers=1,
-                          sequence_parallel=layout.sequence_parallel)
+                          recompute_layers=None, sequence_parallel=layout.sequence_parallel)
             out[mode] = model_activation_bytes(cfg, t=layout.tp, micro_batch=layout.micro_batch,
                                                activation_bytes=ACTIVATION_BYTES[precision])["layers"]
         _PER_LAYER_CACHE[key] = out

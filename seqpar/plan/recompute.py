@@ -17,7 +17,7 @@ import math
 from dataclasses import replace
 from pathlib import Path
 
-from ..config import ParallelConfig, TrainConfig
+from ..config import ParallelConfig, RunConfig, TrainConfig
 from ..memory.formulas import load_sections
 from ..model.config import GPTConfig
 from . import dims
@@ -90,24 +90,69 @@ def layer_modes(recompute: Recompute, layers: int, pp: int = 1, virtual_stages: 
     return out
 
 
+def _smallest(model: GPTConfig, layout: Layout, global_batch: int, precision: str) -> float:
+    """The fewest bytes per GPU any per-layer choice needs: memory is linear in the counts of a stage
+    except for the backward transient, which depends on whether some layer is full, so the least
+    lies on a vertex of one of the two regions."""
+    n = model.layers // layout.pp
+    vertices = [(n, 0, 0), (0, n, 0), (0, 0, n), (0, n - 1, 1), (n - 1, 0, 1)]
+    return min(memory_per_gpu(model, replace(layout, recompute=_mixed(*v)), 1.0, global_batch, precision).total
+               for v in vertices)
+
+
 def auto_recompute_layers(model: GPTConfig, parallel: ParallelConfig, train: TrainConfig, budget_gib: float,
                           precision: str = "bf16", global_batch: int | None = None) -> list[Mode]:
     """``model.recompute: auto`` for loaded config sections: the per-layer modes under ``budget_gib``
-    per GPU. The layout is ``parallel.tp/pp/virtual_stages/dp``, ``train.micro_batch`` and
-    ``model.sequence_parallel``; ``global_batch`` defaults to ``train.global_batch`` or
-    ``micro_batch x dp``. Raises ``ValueError`` naming the budget and what all-full needs if nothing fits."""
+    per GPU. The layout is ``parallel.tp/pp/virtual_stages/dp/data_parallel``, ``train.micro_batch``
+    and ``model.sequence_parallel``; ``global_batch`` defaults to ``train.global_batch`` or
+    ``micro_batch x dp``. Raises ``ValueError`` naming the budget and the smallest that fits if nothing does."""
     if not (isinstance(budget_gib, (int, float)) and math.isfinite(budget_gib) and budget_gib > 0):
         raise ValueError(f"memory budget must be a positive number of GiB, got {budget_gib!r}")
     dp = parallel.dp or 1
+    mode = parallel.data_parallel_mode(dp) if hasattr(parallel, "data_parallel_mode") else "ddp"
     layout = Layout(tp=parallel.tp, pp=parallel.pp, dp=dp, virtual_stages=parallel.virtual_stages,
-                    micro_batch=train.micro_batch, sequence_parallel=model.sequence_parallel and parallel.tp > 1)
+                    micro_batch=train.micro_batch, sequence_parallel=model.sequence_parallel and parallel.tp > 1,
+                    data_parallel=mode)
     batch = global_batch or train.global_batch or train.micro_batch * dp
     mix = best_mix(model, layout, budget_gib * GIB, batch, precision)
     if mix is None:
-        need = memory_per_gpu(model, replace(layout, recompute=Recompute("full")), budget_gib * GIB, batch, precision)
-        raise ValueError(f"memory budget {budget_gib} GiB is too small: even full recompute of every layer needs "
-                         f"{need.total / GIB:.2f} GiB per GPU")
+        need = _smallest(model, layout, batch, precision) / GIB
+        where = layout.label().rsplit(" rc=", 1)[0]
+        raise ValueError(f"memory budget {budget_gib} GiB is too small: even full recompute of every layer does not "
+                         f"fit; the smallest that fits is {need:.2f} GiB per GPU ({precision}, {where})")
     return layer_modes(mix, model.layers, parallel.pp, parallel.virtual_stages)
+
+
+def planner_precision(train_precision: str, device: str | None = None) -> str:
+    """The planner's precision (``bf16`` | ``fp32``) for ``train.precision``: bf16-autocast keeps bf16
+    activations (its fp32 state is 16 bytes per parameter, counted as bf16's 20: on the safe side);
+    ``auto`` is bf16 on CUDA, fp32 elsewhere (``device`` defaults to CUDA when one is visible)."""
+    if train_precision == "auto":
+        if device is None:
+            import torch
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return "bf16" if str(device).startswith("cuda") else "fp32"
+    return "fp32" if train_precision == "fp32" else "bf16"
+
+
+def resolve_recompute(cfg: RunConfig, *, device: str | None = None) -> RunConfig:
+    """``model.recompute: auto`` made concrete: a copy of ``cfg`` whose ``model.recompute_layers`` is
+    the planner's per-layer choice under ``train.memory_budget_gib`` (:func:`auto_recompute_layers`,
+    the same search ``seqpar plan`` ranks). Any other mode returns ``cfg`` itself. Pure: no
+    ``torch.distributed``; ``parallel.dp`` None counts as 1. ``ValueError`` when no budget is set
+    or even full recompute of every layer does not fit it."""
+    if cfg.model.recompute != "auto":
+        return cfg
+    budget = cfg.train.memory_budget_gib
+    if budget is None:
+        raise ValueError("model.recompute=auto needs train.memory_budget_gib (GiB per GPU the per-layer "
+                         "recompute must fit)")
+    precision = planner_precision(cfg.train.precision, device)
+    try:
+        modes = auto_recompute_layers(cfg.model, cfg.parallel, cfg.train, budget, precision)
+    except ValueError as err:
+        raise ValueError(f"model.recompute=auto, train.memory_budget_gib={budget}: {err}") from None
+    return replace(cfg, model=replace(cfg.model, recompute_layers=tuple(modes)))
 
 
 def recompute_layers(config: str | Path, budget_gib: float, *, precision: str = "bf16",
@@ -121,4 +166,5 @@ def recompute_layers(config: str | Path, budget_gib: float, *, precision: str = 
         raise ValueError(f"{config}: {err}") from None
 
 
-__all__ = ["auto_recompute_layers", "best_mix", "layer_modes", "recompute_flops", "recompute_layers", "stage_layer_ids"]
+__all__ = ["auto_recompute_layers", "best_mix", "layer_modes", "planner_precision", "recompute_flops",
+           "recompute_layers", "resolve_recompute", "stage_layer_ids"]

@@ -5,11 +5,11 @@ import dataclasses
 from pathlib import Path
 from typing import Sequence
 
-from ..config import ParallelConfig, TrainConfig, load_run_config
+from ..config import TrainConfig, load_run_config
 from ..model.config import GPTConfig
 from .gpus import GIB
 from .layout import Layout
-from .recompute import layer_modes
+from .recompute import layer_modes, resolve_recompute
 from .search import Candidate
 
 STATE_PARTS = ("weights", "gradients", "optimizer", "fsdp_unsharded")
@@ -63,39 +63,51 @@ def _has_field(cls: type, name: str) -> bool:
     return name in {f.name for f in dataclasses.fields(cls)}
 
 
-def overrides(layout: Layout, model: GPTConfig, global_batch: int, precision: str) -> tuple[list[str], list[str]]:
-    """(``key=value`` overrides for ``seqpar train``, notes for what the config cannot say yet)."""
+def _schedule(layout: Layout) -> str:
+    return "Interleaved1F1B" if layout.virtual_stages > 1 else "1F1B"
+
+
+def overrides(layout: Layout, model: GPTConfig, global_batch: int, precision: str,
+              budget_gib: float | None = None) -> tuple[list[str], list[str]]:
+    """(``key=value`` overrides for ``seqpar train``, notes). A per-layer mix is written as
+    ``model.recompute=auto train.memory_budget_gib=budget_gib`` (the Trainer resolves it with the same
+    search, :func:`seqpar.plan.recompute.resolve_recompute`), with the explicit
+    ``model.recompute_layers`` list in a note; without a budget, as that list."""
     rc = layout.recompute
     out = [f"parallel.tp={layout.tp}", f"parallel.pp={layout.pp}", f"parallel.virtual_stages={layout.virtual_stages}",
-           f"parallel.dp={layout.dp}", f"train.micro_batch={layout.micro_batch}", f"train.global_batch={global_batch}",
+           f"parallel.dp={layout.dp}", f"parallel.data_parallel={layout.data_parallel}",
+           f"train.micro_batch={layout.micro_batch}", f"train.global_batch={global_batch}",
            f"model.sequence_parallel={'true' if layout.sequence_parallel else 'false'}"]
+    if layout.pp > 1:
+        out.insert(3, f"parallel.pp_schedule={_schedule(layout)}")
     notes = []
     if rc.kind == "mixed":
         modes = layer_modes(rc, model.layers, layout.pp, layout.virtual_stages)
-        if _has_field(GPTConfig, "recompute_layers"):
-            out.append("model.recompute_layers=[" + ",".join(modes) + "]")
+        listed = "model.recompute_layers=[" + ",".join(modes) + "]"
+        if budget_gib is None:
+            out.append(listed)
         else:
-            notes.append(f"per-layer recompute {rc.label()} on every stage needs model.recompute_layers (not a "
-                         f"config key yet): {runs(modes)}")
+            out += ["model.recompute=auto", f"train.memory_budget_gib={budget_gib:.10g}"]
+            notes.append(f"model.recompute=auto resolves to {rc.label()} on every stage, {runs(modes)}; "
+                         f"to pin it instead: {listed}")
     else:
         out.append(f"model.recompute={rc.kind}")
         if rc.kind == "full":
             out += [f"model.recompute_method={rc.method}", f"model.recompute_num_layers={rc.num_layers}"]
-    if layout.data_parallel == "fsdp":
-        if _has_field(ParallelConfig, "data_parallel"):
-            out.append("parallel.data_parallel=fsdp")
-        else:
-            notes.append("shards weights, gradients and optimizer state over dp (FSDP): needs "
-                         "parallel.data_parallel=fsdp (not a config key yet)")
+        if getattr(model, "recompute_layers", None) is not None:
+            out.append("model.recompute_layers=null")  # the config's own list would override recompute
     if _has_field(TrainConfig, "precision"):
         out.append(f"train.precision={precision}")
     return out, notes
 
 
 def check_overrides(config: str | Path, items: list[str]) -> str | None:
-    """The error ``seqpar train`` would raise for these overrides today, or None."""
+    """The error ``seqpar train`` would raise for these overrides today, or None (``recompute: auto``
+    resolved as the Trainer does)."""
     try:
-        load_run_config(config, items).validate()
+        cfg = load_run_config(config, items)
+        cfg.validate()
+        resolve_recompute(cfg)
     except ValueError as err:
         return str(err)
     return None
