@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="key=value run-config overrides (e.g. model.seq_len=2048 parallel.tp=2)")
     p.add_argument("--config", default=None, help="run config (file or shipped name) for everything but the model")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="parameter dtype (default float32: seqpar's master weights; bf16 comes from autocast)")
+                   help="parameter dtype (default float32: seqpar's master weights; train.precision=bf16 computes in bf16 on them)")
     args = p.parse_args(argv)
     try:
         path = import_hf(args.hf_dir, args.checkpoint_dir, config=args.config, overrides=args.overrides,
