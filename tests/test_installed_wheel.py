@@ -46,3 +46,15 @@ def test_installed_wheel_finds_its_configs(site, tmp_path):
     out = _run([sys.executable, "-m", "seqpar.cli", "memory", "--paper"], cwd=tmp_path, env=env).stdout
     for name in ("22B", "175B", "530B", "1T"):
         assert f"### {name}:" in out
+
+
+def test_installed_wheel_trains_a_shipped_config_by_name(site, tmp_path):
+    """`seqpar train tiny-cpu --nproc-per-node 2` from the wheel, in a directory without the sources
+    (a token file instead of the tokenizer build, two steps)."""
+    import numpy as np
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 256, 40_000).astype(np.uint16))
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = _run([sys.executable, "-m", "seqpar.cli", "train", "tiny-cpu", "--nproc-per-node", "2", "train.steps=2",
+                "train.log_interval=1", "train.eval_interval=0", f"data.source={tmp_path / 'tokens.npy'}",
+                f"checkpoint.dir={tmp_path / 'ckpt'}", f"out_dir={tmp_path / 'run'}"], cwd=tmp_path, env=env)
+    assert "step     2/2" in out.stdout and "checkpoint saved" in out.stdout, out.stdout[-2000:]

@@ -47,7 +47,8 @@ def _pipelines(rank, world, tmp):
     return {"t2p2": _run(tmp / "t2p2", 2, 2, save_at=3),
             "t1p2m2": _run(tmp / "t1p2m2", 1, 2, parallel__virtual_stages=2, model__tie_embeddings=True,
                            model__recompute="full"),
-            "split": _run(tmp / "split", 2, 2, train__global_batch="null", train__micro_batch=4)}
+            "split": _run(tmp / "split", 2, 2, train__global_batch="null", train__micro_batch=4),
+            "mixed": _run(tmp / "mixed", 2, 2, model__recompute_layers="[full,selective,none,full]")}
 
 
 def _references(rank, world, tmp):
@@ -73,6 +74,8 @@ def test_pipeline_training_equals_one_stage_and_resumes_at_another_pp(spawn, tmp
     # without train.global_batch the step's batch stays micro_batch x dp, as pp micro-batches
     assert (got["split"]["accum"], got["split"]["micro_batch"]) == (2, 2)
     assert got["split"]["losses"] == pytest.approx(ref["p1_split"]["losses"], abs=1e-5)
+    # per-layer recompute modes, each stage running its slice of the list
+    assert got["mixed"]["losses"] == pytest.approx(ref["p1"]["losses"], abs=1e-5)
     # the pipeline checkpoint (step 3) continues at p = 1 as the pipeline run did
     assert ref["resumed"]["start"] == 3
     assert ref["resumed"]["losses"] == pytest.approx(got["t2p2"]["losses"][3:], abs=1e-5)

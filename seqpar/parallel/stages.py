@@ -11,6 +11,8 @@ Between stages travels the residual stream ``[s/t, b, h]`` (SP) or ``[s, b, h]``
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 
@@ -19,7 +21,7 @@ from ..layers import column_parallel_linear, vocab_parallel_cross_entropy
 from ..model.config import GPTConfig
 from ..model.gpt import GPT
 from ..model.vocab import trim_rows
-from ..recompute import checkpoint, full_recompute_plan
+from ..recompute import checkpoint, full_recompute_plan, layer_recompute_plan
 from .. import sharding
 
 STAGE_SEED_OFFSET = 7919  # stage i draws dropout masks from seed + i * offset (stage 0: the GPT's seed)
@@ -75,22 +77,33 @@ class StageModule(nn.Module):
         self.ln_f = model.ln_f if self.is_last else None
         self.lm_head = model.lm_head if self.is_last else None
         _set_streams(self, self.rng)
-        self.set_recompute(cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers)
+        if cfg.recompute_layers is not None:  # this stage's slice of the per-layer modes
+            self.set_recompute([cfg.recompute_layers[i] for i in self.layer_ids])
+        else:
+            self.set_recompute(cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers)
 
     @property
     def holds_tied_copy(self) -> bool:
         """True on a last stage that is not also the first and keeps the tied token table for the head."""
         return self.is_last and not self.is_first and self.wte is not None
 
-    def set_recompute(self, mode: str, method: str = "uniform", num_layers: int = 1) -> None:
+    def set_recompute(self, mode: str | Sequence[str], method: str = "uniform", num_layers: int = 1) -> None:
         """Recompute inside this stage: "none", "selective" (attention core) or "full" (``method``
-        groups of ``num_layers`` of this stage's layers, as :func:`full_recompute_plan`)."""
-        if mode not in ("none", "selective", "full"):
-            raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {mode!r}")
-        for block in self.blocks.values():
-            block.attn.recompute = mode == "selective"
+        groups of ``num_layers`` of this stage's layers, as :func:`full_recompute_plan`), or one of
+        those per layer of the stage (each full layer checkpointed alone)."""
         n = len(self.blocks)
-        self.runs = full_recompute_plan(n, method, num_layers) if mode == "full" else [(0, n, False)]
+        if isinstance(mode, str):
+            if mode not in ("none", "selective", "full"):
+                raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {mode!r}")
+            modes = [mode] * n
+            self.runs = full_recompute_plan(n, method, num_layers) if mode == "full" else [(0, n, False)]
+        else:
+            modes = list(mode)
+            if len(modes) != n:
+                raise ValueError(f"per-layer recompute needs one mode per layer of the stage: got {len(modes)} for {n}")
+            self.runs = layer_recompute_plan(modes)
+        for block, m in zip(self.blocks.values(), modes):
+            block.attn.recompute = m == "selective"
 
     def _run_blocks(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         for i in self.layer_ids[start:end]:

@@ -90,9 +90,6 @@ def overrides(layout: Layout, model: GPTConfig, global_batch: int, precision: st
             out += ["model.recompute=auto", f"train.memory_budget_gib={budget_gib:.10g}"]
             notes.append(f"model.recompute=auto resolves to {rc.label()} on every stage, {runs(modes)}; "
                          f"to pin it instead: {listed}")
-        if layout.pp > 1:  # drop this note once seqpar.parallel.stages runs a per-layer list
-            notes.append("pipeline stages (seqpar.parallel.stages) run one recompute mode per stage today, not "
-                         "model.recompute_layers: train this mix at pp=1, or take the best uniform layout")
     else:
         out.append(f"model.recompute={rc.kind}")
         if rc.kind == "full":

@@ -37,6 +37,7 @@ from ..distributed.mesh import ParallelMesh, init_parallel, validate_layout
 from ..model import GPT
 from ..parallel.data_parallel import DataParallel, state_bytes, state_line
 from ..parallel.pipeline import check_microbatches, resolve_schedule
+from ..plan.recompute import resolve_recompute
 from .activations import ActivationProbe
 from .batches import Batch
 from .checkpoint import open_checkpoint_dir
@@ -103,11 +104,25 @@ class Trainer(TrainerCheckpoints):
         self.dp_mode = pc.data_parallel_mode(self.dp)  # "ddp" | "fsdp"
         if pc.pp > 1:  # pure arithmetic: every rank fails alike, before any collective
             check_microbatches(self.accum, pc.pp, resolve_schedule(pc.pp_schedule, pc.virtual_stages))
+        if self.mc.recompute == "auto":  # the planner's per-layer modes under train.memory_budget_gib
+            self._resolve_recompute("cuda" if mesh is None and torch.cuda.is_available() else
+                                    (mesh.device.type if mesh else "cpu"))
         if mesh is None:
             mesh = init_parallel(pc.tp, pc.dp, pp=pc.pp, timeout=timedelta(minutes=pc.timeout_minutes))
         if mesh.device.type == "cpu":
             torch.set_num_threads(self.tc.threads_per_rank)
         return mesh
+
+    def _resolve_recompute(self, device: str) -> None:
+        """``model.recompute: auto`` -> ``model.recompute_layers`` (pure; the same search as ``seqpar plan``)."""
+        pc = self.cfg.parallel
+        cfg = resolve_recompute(dataclasses.replace(self.cfg, parallel=dataclasses.replace(pc, dp=self.dp)),
+                                device=device)
+        self.cfg, self.mc = dataclasses.replace(self.cfg, model=cfg.model), cfg.model
+        modes = cfg.model.recompute_layers
+        self._recompute_note = (f"recompute auto under train.memory_budget_gib={self.tc.memory_budget_gib}: "
+                                f"{modes.count('none')} none, {modes.count('selective')} selective, "
+                                f"{modes.count('full')} full layers ({', '.join(modes)})")
 
     def _split_for_pipeline(self) -> None:
         """pp > 1 without ``train.global_batch``: the step's batch stays ``micro_batch x dp`` (the
@@ -127,6 +142,8 @@ class Trainer(TrainerCheckpoints):
         self.logger.print(f"seqpar: {self.mesh}; model {mc.layers}L h={mc.hidden} a={mc.heads} s={mc.seq_len} "
                           f"v={mc.vocab_size}; sequence_parallel={mc.sequence_parallel} recompute={mc.recompute}; "
                           f"micro_batch={tc.micro_batch} x accumulation {self.accum} x dp {self.dp}")
+        if getattr(self, "_recompute_note", None):
+            self.logger.print(self._recompute_note)
         if self.mesh.is_first:
             Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
             (Path(cfg.out_dir) / "config.yaml").write_text(dump(cfg))
