@@ -106,3 +106,20 @@ def test_shipped_configs_by_name(tmp_path, monkeypatch, capsys):
     assert main(["no-such-config"]) == 2
     err = capsys.readouterr().err
     assert "'no-such-config'" in err and "memory-demo" in err and "paper/175b" in err
+
+
+def test_measured_first_pipeline_stage_matches_section_4_2_3(tmp_path):
+    """pp > 1 (what ``seqpar memory CONFIG --measure`` adds): the first stage's peak during one
+    interleaved step, on p x t gloo ranks, equals L (1 + (p-1)/(pm)) layers' worth of Table 2
+    (1F1B's L layers: tests/test_pipeline.py)."""
+    from seqpar.memory.pipeline_measure import first_stage_table, measure_first_stage
+    from seqpar.memory.report import RANK_TIMEOUT_S, load_entry
+    cfg = tmp_path / "pp.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {**TINY["model"], "layers": 4}, "train": {"micro_batch": 1},
+                                   "parallel": {"tp": 2, "pp": 2, "virtual_stages": 2}}))
+    e = load_entry(cfg)
+    stage = first_stage_table(e.shape, measure_first_stage(e.model, e.shape, 300, RANK_TIMEOUT_S))
+    assert "interleaved" in stage.splitlines()[0]
+    for label in ("TP + SP", "TP + SP + selective"):
+        row = _row(stage, label)
+        assert abs(float(row[3]) - 1) <= 0.03, row

@@ -51,27 +51,21 @@ def test_tp2_sp_selective_loss_falls(spawn, tmp_path):
     assert np.mean(losses[-5:]) < 0.8 * np.mean(losses[:3]), losses
 
 
+def _tp2_then_dp2(rank, world, tp2, dp2):
+    """Two layouts of 2 ranks in one spawn: t=2 (SP), then dp=2 with half the micro-batch."""
+    return _train(rank, world, tp2, 2, 1)["losses"], _train(rank, world, dp2, 1, 2)["losses"]
+
+
 def test_layouts_give_the_same_loss_curve(spawn, tmp_path):
+    """(Gradient accumulation over dp ranks against one rank: tests/test_trainer.py and tests/test_fsdp.py.)"""
     common = {"model.recompute": "selective"}
     ref = spawn(_train, 1, _overrides(tmp_path, **common, **{"model.sequence_parallel": False}), 1, 1)[0]["losses"]
-    tp2 = spawn(_train, 2, _overrides(tmp_path, **common, **{"parallel.tp": 2}), 2, 1)[0]["losses"]
     # dp=2 with half the micro-batch sees exactly the same windows per step as dp=1
-    dp2 = spawn(_train, 2, _overrides(tmp_path, **common, **{"train.micro_batch": 2, "model.sequence_parallel": False}),
-                1, 2)[0]["losses"]
-    ref_dp = spawn(_train, 2, _overrides(tmp_path, **common, **{"parallel.tp": 2, "train.micro_batch": 4}), 2, 1)
+    tp2, dp2 = spawn(_tp2_then_dp2, 2, _overrides(tmp_path, **common, **{"parallel.tp": 2}),
+                     _overrides(tmp_path, **common, **{"train.micro_batch": 2, "model.sequence_parallel": False}))[0]
     for curve in (tp2, dp2):
         assert len(curve) == 20
         np.testing.assert_allclose(curve, ref, rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(ref_dp[0]["losses"], ref, rtol=1e-4, atol=1e-4)
-
-
-def test_gradient_accumulation_with_dp_matches_one_rank(spawn, tmp_path):
-    # 2 micro-batches per step; DDP reduces over dp only on the last one (no_sync before)
-    common = {"model.sequence_parallel": False, "train.global_batch": 8, "train.steps": 10}
-    one = spawn(_train, 1, _overrides(tmp_path, **common, **{"train.micro_batch": 4}), 1, 1)[0]["losses"]
-    dp2 = spawn(_train, 2, _overrides(tmp_path, **common, **{"train.micro_batch": 2}), 1, 2)[0]["losses"]
-    assert len(one) == 10
-    np.testing.assert_allclose(dp2, one, rtol=1e-4, atol=1e-4)
 
 
 def test_resume_is_exact_and_reshards(spawn, tmp_path):

@@ -17,6 +17,7 @@ from typing import Sequence
 
 from ..distributed.local import run_local
 from ..model.config import GPTConfig
+from .pipeline_measure import first_stage_table, measure_first_stage
 from .state import state_table
 from .formulas import (PAPER_MODELS, ModelShape, Technique, bytes_per_layer, extra_bytes, gib,
                        interleave_factor, load_sections, paper_config_dir, per_gpu_bytes, ratio_to_tp,
@@ -174,9 +175,25 @@ def _check_measurable(entries: Sequence[Entry]) -> None:
             dataclasses.replace(cfg, sequence_parallel=True).check_parallel(e.shape.t)
         except ValueError as ex:
             raise ValueError(f"{e.path}: {ex}") from None
+        if e.shape.p > 1 and cfg.layers % (e.shape.p * e.shape.m):
+            raise ValueError(f"{e.path}: model.layers={cfg.layers} is not divisible into pp x virtual_stages = "
+                             f"{e.shape.p} x {e.shape.m} pipeline stages")
         if cfg.ffn_hidden != 4 * cfg.hidden:
             print(f"seqpar memory: note: {e.path}: ffn_hidden={cfg.ffn_hidden} != 4h; Table 2 assumes 4h",
                   file=sys.stderr)
+
+
+def _print_first_stage(e: Entry) -> bool:
+    """Measure and print the first pipeline stage's peak (pp > 1); False (reported) when a rank failed."""
+    print(f"measuring {e.shape.name}'s first pipeline stage on {e.shape.p * e.shape.t} gloo ranks ...",
+          file=sys.stderr, flush=True)
+    try:
+        stage = measure_first_stage(e.model, e.shape, RUN_TIMEOUT_S, RANK_TIMEOUT_S)
+    except Exception as ex:  # a rank failed: its traceback is in the message
+        err(f"measuring {e.path}'s pipeline failed: {ex}")
+        return False
+    print(first_stage_table(e.shape, stage) + "\n", flush=True)
+    return True
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -186,7 +203,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("configs", nargs="*", type=Path, help="model YAML files (model/parallel/train sections) "
                    "or shipped config names (memory-demo, paper/175b)")
     p.add_argument("--paper", action="store_true", help="the four models of Table 3 (the default with no configs)")
-    p.add_argument("--measure", action="store_true", help="also measure saved bytes on t gloo ranks (small models)")
+    p.add_argument("--measure", action="store_true", help="also measure saved bytes on t gloo ranks (small models); "
+                   "with pp > 1 also the first pipeline stage's peak during one step, on pp x t ranks")
     p.add_argument("--png", type=Path, metavar="PATH", help="write a Figure 7 style bar chart")
     p.add_argument("--micro-batch", type=int, metavar="B", help="override train.micro_batch")
     p.add_argument("--tp", type=int, metavar="T", help="override parallel.tp")
@@ -249,6 +267,8 @@ def main(argv: list[str]) -> int:
                 err(f"measuring {e.path} failed: {ex}")
                 return 1
         print(table(e.shape, measured) + "\n", flush=True)
+        if args.measure and e.shape.p > 1 and not _print_first_stage(e):
+            return 1
         if args.dp is not None or args.data_parallel or args.precision:
             modes = [args.data_parallel] if args.data_parallel else ["ddp", "fsdp"]
             layouts = [(args.dp or 1, mode) for mode in modes]
