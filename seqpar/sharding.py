@@ -198,6 +198,21 @@ def to_local(model: nn.Module, dense: Mapping[str, torch.Tensor], group: Process
     return {name: shard(dense[name], lay, rank, t) for name, lay in param_layouts(model).items() if name in dense}
 
 
+def copy_into(params: Mapping[str, torch.Tensor], values: Mapping[str, torch.Tensor], what: str) -> None:
+    """Copy ``values[name]`` into each ``params[name]`` in place, after checking that the names and
+    the shapes agree (``ValueError`` naming ``what`` and the offending names/shapes)."""
+    missing, unexpected = sorted(set(params) - set(values)), sorted(set(values) - set(params))
+    if missing or unexpected:
+        raise ValueError(f"{what}: mismatch: missing {missing}, unexpected {unexpected}")
+    bad = [f"{n}: {tuple(values[n].shape)} != {tuple(p.shape)}" for n, p in params.items()
+           if values[n].shape != p.shape]
+    if bad:
+        raise ValueError(f"{what}: shape mismatch: {bad}")
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(values[n])
+
+
 def dense_shapes(model: nn.Module, group: ProcessGroup | None) -> dict[str, torch.Size]:
     """Parameter name -> the dense shape of that parameter."""
     t = group_size(group)
@@ -207,4 +222,4 @@ def dense_shapes(model: nn.Module, group: ProcessGroup | None) -> dict[str, torc
 
 __all__ = ["local_tensor", "ParamLayout", "REPLICATED", "SP_REPLICATED", "mark_sp_replicated", "module_layouts", "param_layouts",
            "sp_replicated_parameters", "split_parameters", "interleave", "local_shape", "dense_shape", "shard",
-           "unshard", "to_dense", "to_local", "dense_shapes"]
+           "unshard", "to_dense", "to_local", "dense_shapes", "copy_into"]

@@ -33,6 +33,13 @@ def pytest_runtest_makereport(item, call):
     _fail_if_test_extra_missing(outcome.get_result())
 
 
+# ranks fork from a server that imported these once (seqpar.distributed.local); the Hugging Face
+# tests' ranks import transformers too (ignored where it is not installed)
+from seqpar.distributed import local as _local  # noqa: E402
+
+_local.PRELOAD.append("transformers")
+
+
 @pytest.fixture
 def spawn(tmp_path):
     """``spawn(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks

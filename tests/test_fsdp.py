@@ -63,21 +63,16 @@ def _sp_grads(trainer: Trainer, every: bool = False) -> dict[str, torch.Tensor]:
 
 def _layouts(rank, world, tmp):
     tmp = Path(tmp)
-    out = {"ddp": _curve(_trainer(tmp, 2, parallel__data_parallel="ddp"), STEPS)}
-    fsdp = _trainer(tmp, 2)  # data_parallel defaults to fsdp when dp > 1
-    out["default_mode"] = fsdp.dp_mode
-    out["fsdp"] = _curve(fsdp, STEPS)
-    out["state"] = {}
-    for mode in ("ddp", "fsdp"):
-        tr = _trainer(tmp, 2, parallel__data_parallel=mode)
-        _curve(tr, 1)
-        out["state"][mode] = tr.state
+    out = {"state": {}}
+    for mode in ("ddp", None):  # None: data_parallel defaults to fsdp when dp > 1
+        tr = _trainer(tmp, 2, **({"parallel__data_parallel": mode} if mode else {}))
+        out["default_mode" if mode is None else "ddp_mode"] = tr.dp_mode
+        out[tr.dp_mode] = _curve(tr, STEPS)
+        out["state"][tr.dp_mode] = tr.state  # measured on the tensors after the first step
     for name, extra in {"full_keep": dict(model__recompute="full", parallel__reshard_after_forward=False),
                         "none": dict(model__recompute="none"),
-                        "full_block": dict(model__recompute="full", model__recompute_method="block")}.items():
-        out[name] = _curve(_trainer(tmp, 2, **extra), 5)
-    for mode in ("ddp", "fsdp"):
-        out[f"bf16_{mode}"] = _curve(_trainer(tmp, 2, parallel__data_parallel=mode, train__precision="bf16"), 5)
+                        "bf16": dict(train__precision="bf16")}.items():
+        out[name] = _curve(_trainer(tmp, 2, **extra), 4)
     out["sp_grads"] = _sp_grads(_trainer(tmp, 2))
     out["rank"] = (dist.get_rank() % 2, dist.get_rank() // 2)  # (tp rank, dp rank)
     return out
@@ -99,9 +94,9 @@ def test_fsdp_trains_like_ddp_and_one_rank_with_half_the_state(spawn, tmp_path):
     assert r0["default_mode"] == "fsdp"
     assert len(r0["fsdp"]) == STEPS and _close(r0["fsdp"], r0["ddp"], 1e-4) and _close(r0["fsdp"], ref, 1e-4)
     assert ref[-1][0] < ref[0][0], "the loss falls"
-    for name in ("full_keep", "none", "full_block"):
-        assert _close(r0[name], ref[:5], 1e-4), name
-    assert _close(r0["bf16_fsdp"], r0["bf16_ddp"], 2e-2) and _close(r0["bf16_fsdp"], ref[:5], 5e-2)
+    for name in ("full_keep", "none"):
+        assert _close(r0[name], ref[:4], 1e-4), name
+    assert _close(r0["bf16"], ref[:4], 5e-2) and r0["bf16"] != ref[:4]  # bf16 compute: close, not equal
     # every rank reports the same losses
     assert all(r["fsdp"] == r0["fsdp"] for r in res)
     # state: measured on the tensors, fsdp about half of ddp at dp=2, equal to the formula

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..memory import ActivationLedger
-from ..sharding import interleave
+from ..sharding import copy_into, interleave
 from .peer import BenchShape, Recompute
 
 LAYER_PATTERN = r"decoder\.layers\.\d+"  # Megatron's transformer layers: decoder.layers.3
@@ -248,17 +248,7 @@ class MegatronPeer:
 
     @staticmethod
     def _load(model: torch.nn.Module, local: dict[str, torch.Tensor]) -> None:
-        params = dict(model.named_parameters())
-        missing, unexpected = sorted(set(params) - set(local)), sorted(set(local) - set(params))
-        if missing or unexpected:
-            raise ValueError(f"MegatronPeer: weight mapping mismatch: missing {missing}, unexpected {unexpected}")
-        bad = [f"{n}: {tuple(local[n].shape)} != {tuple(p.shape)}" for n, p in params.items()
-               if local[n].shape != p.shape]
-        if bad:
-            raise ValueError(f"MegatronPeer: weight shape mismatch: {bad}")
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(local[n])
+        copy_into(dict(model.named_parameters()), local, "MegatronPeer: weight mapping")
 
     # ------------------------------------------------------------------------------------ steps
     def _loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

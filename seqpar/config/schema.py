@@ -182,8 +182,8 @@ class RunConfig:
             return
         stages = pc.pp * pc.virtual_stages
         if L % stages:
-            raise ValueError(f"model.layers={L} is not divisible into pp x virtual_stages = {pc.pp} x "
-                             f"{pc.virtual_stages} = {stages} pipeline stages of equal depth")
+            raise ValueError(f"model.layers={L} is not divisible into parallel.pp x parallel.virtual_stages = "
+                             f"{pc.pp} x {pc.virtual_stages} = {stages} pipeline stages of equal depth")
         if pc.pp_schedule in ("1F1B", "GPipe") and pc.virtual_stages != 1:
             raise ValueError(f"parallel.pp_schedule={pc.pp_schedule} runs one stage per rank; "
                              f"parallel.virtual_stages={pc.virtual_stages} needs Interleaved1F1B")

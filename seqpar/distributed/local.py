@@ -1,10 +1,15 @@
 """Run one function on N local gloo ranks (processes on this machine) and collect what each returns.
 
 Used by the tests, the benchmark runner, ``seqpar memory --measure`` and the scripts. Each rank is
-a fresh ``spawn``-ed process that joins a gloo process group through a ``file://`` rendezvous in
-a private temp dir (no port is ever guessed), runs ``fn(rank, world_size, *args)`` with one
-intra-op thread and never sees a GPU. The first rank to fail stops the others and its error,
-traceback included, is raised in the caller; a run past ``timeout`` is killed.
+a fresh process that joins a gloo process group through a ``file://`` rendezvous in a private
+temp dir (no port is ever guessed), runs ``fn(rank, world_size, *args)`` with one intra-op thread
+and never sees a GPU. The first rank to fail stops the others and its error, traceback included,
+is raised in the caller; a run past ``timeout`` is killed.
+
+Ranks are forked from a ``forkserver`` that imported torch and seqpar once (a spawned interpreter
+spends seconds on those imports, and a test suite starts hundreds of ranks); the server itself
+never runs a torch op, so no thread pool is forked. Each rank gets the caller's environment as it
+is at the call (the server's is the one it started with).
 """
 from __future__ import annotations
 
@@ -30,9 +35,22 @@ class RankFailed(RuntimeError):
         self.rank, self.error, self.traceback = rank, error, tb
 
 
+PRELOAD = ["torch", "torch.distributed", "numpy", "seqpar", "seqpar.model", "seqpar.train", "seqpar.parallel"]
+
+
+def _context():
+    """The forkserver context, its server preloading :data:`PRELOAD` (set before it first starts)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 def _rank_main(rank: int, world_size: int, run_dir: str, payload: bytes, threads: int,
-               collective_timeout_s: float) -> None:
+               collective_timeout_s: float, environ: dict[str, str] | None = None) -> None:
     """Child process: join the group, run the function, leave ``rank{r}.ok`` or ``rank{r}.err``."""
+    if environ is not None:  # the caller's environment at the call, not the server's at its start
+        os.environ.clear()
+        os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
@@ -118,13 +136,15 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     except Exception as e:
         raise TypeError(f"run_local: {getattr(fn, '__qualname__', fn)!r} and its args must be picklable "
                         f"(a module-level function): {e}") from None
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     with tempfile.TemporaryDirectory(prefix="seqpar-ranks-", dir=tmp_dir) as d:
-        run_dir = Path(d)
-        procs = [ctx.Process(target=_rank_main, args=(r, world_size, d, payload, threads, collective_timeout),
-                             name=f"seqpar-rank{r}") for r in range(world_size)]
+        run_dir, procs = Path(d), []
         try:
-            with _gpus_hidden():  # children inherit the environment as it is when they start
+            with _gpus_hidden():  # the ranks (and a forkserver starting now) see no GPU
+                environ = dict(os.environ)
+                procs = [ctx.Process(target=_rank_main, name=f"seqpar-rank{r}",
+                                     args=(r, world_size, d, payload, threads, collective_timeout, environ))
+                         for r in range(world_size)]
                 for p in procs:
                     p.start()
             _wait(procs, run_dir, timeout, fn)

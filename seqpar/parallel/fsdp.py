@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..distributed.collectives import ProcessGroup, all_reduce, group_size
+from ..distributed.collectives import ProcessGroup, all_reduce_coalesced, group_size
 from ..sharding import local_tensor, sp_replicated_parameters
 
 
@@ -70,13 +70,7 @@ def sync_sharded_sp_grads(model: nn.Module, tp_group: ProcessGroup | None) -> in
     if group_size(tp_group) == 1:
         return 0
     grads = [local_tensor(p.grad) for p in sp_replicated_parameters(model) if p.grad is not None]
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
-    for gs in by_dtype.values():
-        flat = torch.cat([g.reshape(-1) for g in gs])
-        all_reduce(flat, tp_group)
-        torch._foreach_copy_(gs, [c.view_as(g) for c, g in zip(flat.split([g.numel() for g in gs]), gs)])
+    all_reduce_coalesced(grads, tp_group)  # in place on the shards' storage
     return len(grads)
 
 

@@ -50,10 +50,4 @@ def load_stage_dense(parts, state: dict[str, torch.Tensor]) -> None:
         if missing:
             raise ValueError(f"stage {part.index}: dense state dict lacks {missing}")
         local = sharding.to_local(part, {k: local_state[k] for k in expected}, part.tp_group)
-        bad = [f"{k}: {tuple(local[k].shape)} != {tuple(p.shape)}" for k, p in expected.items()
-               if local[k].shape != p.shape]
-        if bad:
-            raise ValueError(f"stage {part.index}: dense state dict shape mismatch: {bad}")
-        with torch.no_grad():
-            for name, p in expected.items():
-                p.copy_(local[name])
+        sharding.copy_into(expected, local, f"stage {part.index}: dense state dict")
