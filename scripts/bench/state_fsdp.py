@@ -41,8 +41,11 @@ def _overrides(tmp: Path, hidden: int, layers: int, steps: int) -> list[str]:
 
 
 def _rank(rank: int, world: int, base: list[str], steps: int) -> dict:
-    trainers = {name: Trainer(load_run_config(None, base + extra), mesh=init_parallel(tp=2))
-                for name, extra in LAYOUTS.items()}
+    root = Path(base[0].split("=", 1)[1]).parent  # each layout its own checkpoint dir (one job per dir)
+    trainers = {name: Trainer(load_run_config(None, base + extra + [f"checkpoint.dir={root / f'ckpt{i}'}",
+                                                                   f"out_dir={root / f'out{i}'}"]),
+                              mesh=init_parallel(tp=2))
+                for i, (name, extra) in enumerate(LAYOUTS.items())}
     times: dict[str, list[float]] = {name: [] for name in trainers}
     try:
         for step in range(steps):
