@@ -48,7 +48,9 @@ def _pipelines(rank, world, tmp):
             # interleaved, tied table on different stages, per-layer recompute modes (a slice per stage)
             "t1p2m2": _run(tmp / "t1p2m2", 1, 2, parallel__virtual_stages=2, model__tie_embeddings=True,
                            model__recompute_layers="[full,selective,none,full]"),
-            "split": _run(tmp / "split", 2, 2, train__global_batch="null", train__micro_batch=4)}
+            "split": _run(tmp / "split", 2, 2, train__global_batch="null", train__micro_batch=4),
+            # the paper's bf16 recipe inside the stages (bf16 copies, fp32 masters and reductions)
+            "bf16": _run(tmp / "bf16", 2, 2, train__precision="bf16", checkpoint__resume="never")}
 
 
 def _references(rank, world, tmp):
@@ -75,6 +77,8 @@ def test_pipeline_training_equals_one_stage_and_resumes_at_another_pp(spawn, tmp
     assert (got["split"]["accum"], got["split"]["micro_batch"]) == (2, 2)
     assert got["split"]["losses"] == pytest.approx(ref["p1_split"]["losses"], abs=1e-5)
 
+    assert got["bf16"]["losses"] == pytest.approx(ref["p1"]["losses"], abs=1e-2)
+    assert got["bf16"]["losses"] != got["t2p2"]["losses"]  # computed in bf16, not fp32
     # the pipeline checkpoint (step 3) continues at p = 1 as the pipeline run did
     assert ref["resumed"]["start"] == 3
     assert ref["resumed"]["losses"] == pytest.approx(got["t2p2"]["losses"][3:], abs=1e-5)
