@@ -66,3 +66,16 @@ def test_the_trainer_resolves_recompute_auto_under_its_budget(tmp_path):
         trainer.close()
     with pytest.raises(ValueError, match=r"memory_budget_gib"):
         load_run_config(None, base)
+
+
+def test_a_pipeline_rank_builds_only_its_layers_with_the_same_weights():
+    from seqpar.model.gpt import NotBuilt
+    cfg = GPTConfig(vocab_size=50, seq_len=16, hidden=16, heads=2, layers=4, dropout=0.0, attention_dropout=0.0)
+    full, part = GPT(cfg, seed=5), GPT(cfg, seed=5, build_layers={2, 3})
+    assert all(isinstance(part.blocks[i], NotBuilt) and not list(part.blocks[i].parameters()) for i in (0, 1))
+    whole = dict(full.named_parameters())
+    for name, p in part.named_parameters():  # every layer built here equals the unsplit model's
+        assert torch.equal(p, whole[name]), name
+    assert {n.split(".")[1] for n, _ in part.named_parameters() if n.startswith("blocks.")} == {"2", "3"}
+    with pytest.raises(RuntimeError, match="layer 0 is not built on this rank"):
+        part(torch.zeros(1, 8, dtype=torch.long))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 from typing import Sequence
 
 import torch
@@ -71,6 +72,25 @@ class Block(nn.Module):
         return x + self.mlp_dropout(self.mlp(self.ln2(x)))
 
 
+def layer_seed(seed: int, layer: int) -> int:
+    """The seed of transformer layer ``layer``'s weights (``layer = L``: the final norm and head)."""
+    return (seed * 1_000_003 + layer + 1) % 2**63
+
+
+class NotBuilt(nn.Module):
+    """A transformer layer this rank does not hold (another pipeline rank's); holds nothing."""
+
+    def __init__(self, index: int):
+        super().__init__()
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(f"layer {self.index} is not built on this rank (a pipeline stage of another rank)")
+
+    def extra_repr(self) -> str:
+        return f"layer {self.index}"
+
+
 class GPT(nn.Module):
     """GPT-2/GPT-3 or Llama-family decoder built from seqpar's parallel layers.
 
@@ -81,7 +101,11 @@ class GPT(nn.Module):
     (see :meth:`dense_state_dict`), with or without vocabulary padding.
     """
 
-    def __init__(self, config: GPTConfig, mesh: ParallelMesh | None = None, seed: int = 0):
+    def __init__(self, config: GPTConfig, mesh: ParallelMesh | None = None, seed: int = 0, *,
+                 build_layers: Collection[int] | None = None):
+        """``build_layers``: build only these transformer layers (a pipeline rank's stages; the
+        others are placeholders holding nothing, and this GPT's own forward refuses to run). Each
+        layer draws its weights from its own seed, so a layer is the same whichever are built."""
         super().__init__()
         mesh = mesh or ParallelMesh.single()
         t = mesh.tp_size
@@ -108,8 +132,9 @@ class GPT(nn.Module):
                 self.wpe = nn.Embedding(config.seq_len, h, dtype=dt)
                 nn.init.normal_(self.wpe.weight, 0.0, std / 2)
             self.drop = Dropout(config.dropout, self.rng, embed_stream)
-            self.blocks = nn.ModuleList(Block(config, self.tp_group, self.rng, layer_std, rope)
-                                        for _ in range(config.layers))
+            self.blocks = nn.ModuleList(self._block(i, seed, build_layers, layer_std, rope)
+                                        for i in range(config.layers))
+            torch.manual_seed(layer_seed(seed, config.layers))
             self.ln_f = make_norm(config.norm, h, config.layernorm_eps, dt)
             self.lm_head = None if config.tie_embeddings else ColumnParallelLinear(
                 h, self.padded_vocab, bias=False, tp_group=self.tp_group, sequence_parallel=sp, dtype=dt,
@@ -122,6 +147,13 @@ class GPT(nn.Module):
         modes = config.layer_recompute()  # recompute: auto must have been resolved to per-layer modes
         self.set_recompute(config.recompute if modes is None else modes, config.recompute_method,
                            config.recompute_num_layers)
+
+    def _block(self, i: int, seed: int, build: Collection[int] | None, layer_std, rope) -> nn.Module:
+        """Layer ``i``, its weights drawn from :func:`layer_seed` (or a placeholder when not built)."""
+        if build is not None and i not in build:
+            return NotBuilt(i)
+        torch.manual_seed(layer_seed(seed, i))
+        return Block(self.config, self.tp_group, self.rng, layer_std, rope)
 
     def _apply(self, fn, recurse: bool = True):
         """``.to()`` / ``.cuda()`` / ``.half()`` ...: the dropout streams follow the parameters' device."""
@@ -146,7 +178,8 @@ class GPT(nn.Module):
                 raise ValueError(f"per-layer recompute needs one mode per layer: got {len(modes)} for {L} layers")
             self.runs = layer_recompute_plan(modes)
         for block, m in zip(self.blocks, modes):
-            block.attn.recompute = m == "selective"
+            if isinstance(block, Block):
+                block.attn.recompute = m == "selective"
         cfg = self.config
         cfg.recompute_layers = per_layer
         if per_layer is None:

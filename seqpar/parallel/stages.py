@@ -149,9 +149,12 @@ class StageModule(nn.Module):
 
 
 def build_stage_modules(config: GPTConfig, mesh, seed: int, virtual_stages: int = 1) -> list[StageModule]:
-    """Build the GPT (same seed on every rank: the same dense weights), keep this pipeline rank's
-    ``virtual_stages`` stages, drop the rest. Raises before any collective on a bad split."""
+    """Build this pipeline rank's ``virtual_stages`` stages of the GPT: only their layers are built
+    (each layer seeded on its own, so the same dense weights as the unsplit model). Raises before
+    any collective on a bad split."""
     check_stage_split(config.layers, mesh.pp_size, virtual_stages)
-    model = GPT(config, mesh, seed=seed)
     n = mesh.pp_size * virtual_stages
-    return [StageModule(model, i, n, seed) for i in local_stage_indices(mesh.pp_size, virtual_stages, mesh.pp_rank)]
+    stages = local_stage_indices(mesh.pp_size, virtual_stages, mesh.pp_rank)
+    layers = {i for s in stages for i in stage_layers(config.layers, n, s)}
+    model = GPT(config, mesh, seed=seed, build_layers=layers)  # the other ranks' layers are never built
+    return [StageModule(model, i, n, seed) for i in stages]
