@@ -39,7 +39,10 @@ PRELOAD = ["torch", "torch.distributed", "numpy", "seqpar", "seqpar.model", "seq
 
 
 def _context():
-    """The forkserver context, its server preloading :data:`PRELOAD` (set before it first starts)."""
+    """The forkserver context, its server preloading :data:`PRELOAD` (set before it first starts);
+    ``spawn`` where the platform has no forkserver."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
