@@ -316,7 +316,7 @@ def test_resaving_a_step_never_leaves_it_missing(tmp_path, tiny, monkeypatch):
         real_rmtree(path, *a, **kw)
         a_complete_step_4_exists(f"rmtree {Path(path).name}")
 
-    monkeypatch.setattr(ck.os, "replace", checked_replace)
+    monkeypatch.setattr(os, "replace", checked_replace)
     monkeypatch.setattr(ck.shutil, "rmtree", checked_rmtree)
     _save(root, 4, model_opt=tiny)
     monkeypatch.undo()
@@ -326,7 +326,7 @@ def test_resaving_a_step_never_leaves_it_missing(tmp_path, tiny, monkeypatch):
             raise KeyboardInterrupt("killed")
         real_replace(a, b)
 
-    monkeypatch.setattr(ck.os, "replace", crash_on_rename_in)
+    monkeypatch.setattr(os, "replace", crash_on_rename_in)
     with pytest.raises(KeyboardInterrupt):
         _save(root, 4, model_opt=tiny)
     monkeypatch.undo()

@@ -28,7 +28,7 @@ from .config import RECOMPUTE_MODES, GPTConfig
 from .mlp import MLP
 from .norm import make_norm
 from .rope import RopeTables
-from .vocab import VOCAB_PARAMS, mask_padded_logits, pad_rows, padded_normal_init, trim_rows
+from .vocab import mask_padded_logits, pad_rows, padded_normal_init, trim_rows, true_dense_shapes
 
 
 class Dropout(nn.Module):
@@ -268,8 +268,7 @@ class GPT(nn.Module):
                 p.copy_(local[name])
 
     def _dense_shapes(self) -> dict[str, torch.Size]:
-        shapes = sharding.dense_shapes(self, self.tp_group)
-        return {k: torch.Size((self.config.vocab_size, *s[1:])) if k in VOCAB_PARAMS else s for k, s in shapes.items()}
+        return true_dense_shapes(self)
 
     def num_parameters(self, dense: bool = True) -> int:
         """Parameter count of the full model (``dense``) or of this rank's shards."""

@@ -15,6 +15,8 @@ from typing import Callable, Iterable, Mapping
 import torch
 import torch.nn as nn
 
+from .. import sharding
+
 VOCAB_PARAMS = ("wte.weight", "lm_head.weight")  # dense names with one row per vocabulary entry
 
 
@@ -34,6 +36,14 @@ def trim_rows(dense: Mapping[str, torch.Tensor], vocab: int, names: Iterable[str
         if name in out:
             out[name] = out[name].narrow(0, 0, vocab)
     return out
+
+
+def true_dense_shapes(module: nn.Module) -> dict[str, torch.Size]:
+    """Parameter name -> dense shape of a seqpar ``GPT`` or one pipeline stage of it (its
+    ``tp_group`` and ``config``), the vocabulary tables with their true ``vocab_size`` rows."""
+    v = module.config.vocab_size
+    return {k: torch.Size((v, *s[1:])) if k in VOCAB_PARAMS else s
+            for k, s in sharding.dense_shapes(module, module.tp_group).items()}
 
 
 def pad_rows(dense: Mapping[str, torch.Tensor], padded: int, names: Iterable[str] = VOCAB_PARAMS) -> dict:

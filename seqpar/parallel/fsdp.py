@@ -27,12 +27,6 @@ from ..distributed.collectives import ProcessGroup, all_reduce_coalesced, group_
 from ..sharding import local_tensor, sp_replicated_parameters
 
 
-def is_sharded(model: nn.Module) -> bool:
-    """True when ``model`` (or a part of it) was wrapped by :func:`apply_fsdp`."""
-    from torch.distributed.fsdp import FSDPModule
-    return any(isinstance(m, FSDPModule) for m in model.modules())
-
-
 def mixed_precision_policy(precision: str):
     """FSDP2's policy for a resolved ``train.precision``: bf16 compute on fp32 shards, fp32
     reduce-scatter, for ``bf16``; parameters' own dtype otherwise."""
@@ -82,5 +76,5 @@ def shard_rows(full_rows: int, dp_rank: int, dp: int) -> tuple[int, int]:
     return start, min(size, full_rows - start)
 
 
-__all__ = ["apply_fsdp", "is_sharded", "mixed_precision_policy", "set_micro_batch",
+__all__ = ["apply_fsdp", "mixed_precision_policy", "set_micro_batch",
            "shard_rows", "sync_sharded_sp_grads"]

@@ -45,7 +45,6 @@ not tampering.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -56,9 +55,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ..distributed.rng import RNGStreams, capture_rng, restore_rng
-from .checkpoint_files import (LOCK, MARKER, PREFIX, CheckpointDir, _commit, _fsync, _prune, _seal, _step_of,
-                               checkpoint_problem, complete_checkpoints, latest_checkpoint, open_checkpoint_dir)
-from .safe_metadata import SafeReader, check_metadata
+from .checkpoint_files import (PREFIX, _commit, _fsync, _prune, _seal, checkpoint_problem, complete_checkpoints,
+                               latest_checkpoint, open_checkpoint_dir)
+from .safe_metadata import SafeReader
 from .sharded_state import PartsLoadPlanner, PartsSavePlanner, optimizer_moments, training_parts
 
 def _require_complete(path: Path) -> dict:
@@ -225,3 +224,6 @@ def load_model_only(path: str | Path, model) -> dict:
     return extra
 
 
+# the filesystem side (checkpoint_files) is re-exported: callers import checkpoints from here
+__all__ = ["PendingCheckpoint", "SafeReader", "checkpoint_problem", "complete_checkpoints", "latest_checkpoint",
+           "load_checkpoint", "load_model_only", "open_checkpoint_dir", "save_checkpoint"]

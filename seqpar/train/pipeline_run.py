@@ -10,6 +10,7 @@ table counted once.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -50,14 +51,11 @@ class PipelineRun:
         tokens = torch.cat([x for x, _ in micro_batches])
         labels = torch.cat([y for _, y in micro_batches])
         weights = prec.compute_weights(self.module)
-        ledger = PeakActivationLedger(self.module) if self.peak is None else None
-        with prec.weights_in(self.module, weights), prec.autocast():
-            if ledger is not None:
-                with ledger:
-                    loss = self.pipe.step(tokens, labels, finish=weights is None)
-                self.peak = ledger.peak_layer_bytes
-            else:
-                loss = self.pipe.step(tokens, labels, finish=weights is None)
+        ledger = PeakActivationLedger(self.module) if self.peak is None else None  # the first step only
+        with prec.weights_in(self.module, weights), prec.autocast(), ledger or contextlib.nullcontext():
+            loss = self.pipe.step(tokens, labels, finish=weights is None)
+        if ledger is not None:
+            self.peak = ledger.peak_layer_bytes
         if weights is not None:
             prec.accumulate(self.module, weights)
             self.pipe.finish_grads()

@@ -26,9 +26,9 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from ..model.vocab import VOCAB_PARAMS
+from ..model.vocab import VOCAB_PARAMS, true_dense_shapes
+from ..parallel.fsdp import shard_rows
 from ..sharding import ParamLayout, local_tensor, param_layouts
-from ..sharding import dense_shapes as sharding_dense_shapes
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -95,23 +95,14 @@ def _fsdp_row_start(p: torch.Tensor, local: torch.Tensor) -> int:
     if any(not (isinstance(pl, Shard) and pl.dim == 0) for pl in p.placements):
         raise ValueError(f"sharded checkpoints expect FSDP's Shard(0) placement, got {p.placements}")
     mesh = p.device_mesh
-    size = -(-p.shape[0] // mesh.size())
-    return min(mesh.get_local_rank() * size, p.shape[0])
-
-
-def dense_shapes_of(module: nn.Module) -> dict[str, torch.Size]:
-    """Parameter name -> dense shape for a seqpar ``GPT`` or pipeline stage (``tp_group``,
-    ``config``): the vocabulary tables with their true ``vocab_size`` rows."""
-    shapes = sharding_dense_shapes(module, module.tp_group)
-    v = module.config.vocab_size
-    return {k: torch.Size((v, *s[1:])) if k in VOCAB_PARAMS else s for k, s in shapes.items()}
+    return shard_rows(p.shape[0], mesh.get_local_rank(), mesh.size())[0]
 
 
 def model_parts(model: nn.Module, tensors: dict[str, torch.Tensor], *, prefix: str) -> dict[str, DenseParts]:
     """``prefix + name`` -> the dense parts this rank holds of ``tensors[name]`` (parameters or
     AdamW moments keyed by parameter name; shaped and placed like the parameter). ``model``: a
     seqpar ``GPT`` or one pipeline stage of it (parameters under the GPT's names)."""
-    shapes = dense_shapes_of(model)
+    shapes = true_dense_shapes(model)
     t, rank = model.tp_size, model.tp_rank
     out = {}
     for name, layout in param_layouts(model).items():
@@ -223,5 +214,5 @@ class PartsLoadPlanner(DefaultLoadPlanner):
         return super().resolve_tensor(read_item)
 
 
-__all__ = ["DenseParts", "MOMENTS", "PartsLoadPlanner", "PartsSavePlanner", "Piece", "dense_pieces", "dense_shapes_of",
+__all__ = ["DenseParts", "MOMENTS", "PartsLoadPlanner", "PartsSavePlanner", "Piece", "dense_pieces",
            "model_parts", "optimizer_moments", "training_parts"]

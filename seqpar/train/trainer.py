@@ -105,8 +105,7 @@ class Trainer(TrainerCheckpoints):
         if pc.pp > 1:  # pure arithmetic: every rank fails alike, before any collective
             check_microbatches(self.accum, pc.pp, resolve_schedule(pc.pp_schedule, pc.virtual_stages))
         if self.mc.recompute == "auto":  # the planner's per-layer modes under train.memory_budget_gib
-            self._resolve_recompute("cuda" if mesh is None and torch.cuda.is_available() else
-                                    (mesh.device.type if mesh else "cpu"))
+            self._resolve_recompute(mesh.device.type if mesh else ("cuda" if torch.cuda.is_available() else "cpu"))
         if mesh is None:
             mesh = init_parallel(pc.tp, pc.dp, pp=pc.pp, timeout=timedelta(minutes=pc.timeout_minutes))
         if mesh.device.type == "cpu":
