@@ -10,8 +10,8 @@ COMMANDS = {
     "memory": ("seqpar.memory.report", "activation memory per technique: paper formulas and measured bytes"),
     "bench": ("seqpar.bench.cli", "seqpar vs Megatron-LM core vs PyTorch DTensor, measured side by side"),
     "plan": ("seqpar.plan.cli", "choose layout and recompute for a model on a cluster, predicted step time"),
-    "export": ("seqpar.train.export", "write a checkpoint as a Hugging Face model folder (--format hf)"),
-    "import": ("seqpar.train.hf_import", "convert a local Hugging Face model folder into a seqpar checkpoint"),
+    "export": ("seqpar.interop.export", "write a checkpoint as a Hugging Face model folder (--format hf)"),
+    "import": ("seqpar.interop.hf_import", "convert a local Hugging Face model folder into a seqpar checkpoint"),
 }
 
 

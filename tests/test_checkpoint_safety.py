@@ -352,7 +352,7 @@ def test_stale_tmp_folders_are_removed_at_start_up(tmp_path):
 
 _HOLDER = """
 import sys, time
-from seqpar.train.checkpoint import open_checkpoint_dir
+from seqpar.checkpoint import open_checkpoint_dir
 handle = open_checkpoint_dir(sys.argv[1], True)
 print("held", flush=True)
 time.sleep(120)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from seqpar.train.data import (EOT, Corpus, TokenBatches, default_cache_dir, eval_batches, list_documents,
+from seqpar.data import (EOT, Corpus, TokenBatches, default_cache_dir, eval_batches, list_documents,
                                open_corpus, prepare_corpus)
 
 WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu é ü → def return".split()

@@ -15,8 +15,8 @@ from seqpar.config import dump, load_run_config  # noqa: E402
 from seqpar.distributed.mesh import ParallelMesh  # noqa: E402
 from seqpar.model import GPT, GPTConfig  # noqa: E402
 from seqpar.train import Trainer  # noqa: E402
-from seqpar.train.checkpoint import load_model_only, save_checkpoint  # noqa: E402
-from seqpar.train.export import family_of  # noqa: E402
+from seqpar.checkpoint import load_model_only, save_checkpoint  # noqa: E402
+from seqpar.interop.export import family_of  # noqa: E402
 from seqpar.train.optim import build_optimizer  # noqa: E402
 
 V, S = 97, 16

@@ -16,7 +16,7 @@ from seqpar.config import load_run_config
 from seqpar.memory.state import state_bytes_formula
 from seqpar.sharding import local_tensor, sp_replicated_parameters
 from seqpar.train import Trainer
-from seqpar.train.checkpoint import complete_checkpoints
+from seqpar.checkpoint import complete_checkpoints
 
 STEPS = 20
 
@@ -209,7 +209,7 @@ def test_sharded_checkpoints_reshard_to_any_layout_without_gathering(spawn, tmp_
     # the sharded checkpoint exports to one dense file (one tensor at a time) and generates
     ckpt = complete_checkpoints(tmp_path / "ckpt")[-1]
     assert main(["export", str(ckpt), str(tmp_path / "export"), "--format", "safetensors"]) == 0
-    from seqpar.train.export import read_safetensors
+    from seqpar.checkpoint.safetensors import read_safetensors
     tensors = read_safetensors(tmp_path / "export" / "model.safetensors")
     assert tensors["wte.weight"].shape == (64, 16) and tensors["blocks.0.attn.qkv.weight"].shape == (48, 16)
     assert all(math.isfinite(float(t.abs().sum())) for t in tensors.values())

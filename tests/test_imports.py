@@ -141,3 +141,62 @@ def test_cycles_through_relative_and_function_level_imports_are_found(tmp_path):
     assert graph["pkg.sub.b"] == {"pkg.a"} and graph["pkg.c"] == {"pkg.d"} and graph["pkg.d"] == {"pkg"}
     assert find_cycles(graph) == [["pkg.a", "pkg.sub.b", "pkg.a"]]
     assert find_cycles({"x": {"y"}, "y": {"x"}, "z": set()}) == [["x", "y", "x"]]
+
+
+# ------------------------------------------------------------------------------ package layering
+# seqpar's packages (and top-level modules), lowest first: each may import only those before it.
+# The README's layout section states the same order (checked below).
+LAYERS = ("distributed", "sharding", "layers", "recompute", "model", "config", "flops", "memory", "parallel",
+          "checkpoint", "data", "dropin", "plan", "train", "interop", "bench", "cli", "seqpar")
+README = ROOT.parent / "README.md"
+
+
+def layer_of(module: str) -> str:
+    """``seqpar.memory.ledger`` -> ``memory``; ``seqpar.flops`` -> ``flops``; ``seqpar`` -> ``seqpar``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def layering_violations(graph: dict[str, set[str]], order: tuple[str, ...]) -> list[str]:
+    """``a -> b`` for every import from a module to one in the same or a higher layer than its own
+    (same-layer imports are fine), plus the modules whose layer the order does not name."""
+    rank = {name: i for i, name in enumerate(order)}
+    out = [f"{m}: layer {layer_of(m)!r} is not in the declared order" for m in graph if layer_of(m) not in rank]
+    for a, targets in graph.items():
+        for b in targets:
+            la, lb = layer_of(a), layer_of(b)
+            if la in rank and lb in rank and rank[lb] > rank[la]:
+                out.append(f"{a} ({la}) -> {b} ({lb})")
+    return sorted(out)
+
+
+def package_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    packages: dict[str, set[str]] = {}
+    for a, targets in graph.items():
+        packages.setdefault(layer_of(a), set()).update(layer_of(b) for b in targets if layer_of(b) != layer_of(a))
+    for targets in list(packages.values()):
+        for b in targets:
+            packages.setdefault(b, set())
+    return find_cycles(packages)
+
+
+def test_seqpar_packages_have_no_cycle_and_follow_the_declared_order():
+    graph = import_graph(ROOT)
+    assert package_cycles(graph) == [], package_cycles(graph)
+    bad = layering_violations(graph, LAYERS)
+    assert not bad, "imports against the declared package order (README, Layout):\n" + "\n".join(bad)
+
+
+def test_the_readme_declares_the_same_order():
+    lines = [ln for ln in README.read_text().splitlines() if ln.startswith("Packages, lowest first:")]
+    assert len(lines) == 1, "README's layout section states the package order on one line"
+    declared = tuple(x.strip(" `.") for x in lines[0].split(":", 1)[1].split("<"))
+    assert declared == LAYERS, declared
+
+
+def test_package_checks_catch_cycles_and_upward_imports():
+    graph = {"seqpar.a.x": {"seqpar.b.y"}, "seqpar.b.y": {"seqpar.a.z"}, "seqpar.a.z": set(), "seqpar.c": {"seqpar.a.x"}}
+    assert package_cycles(graph) == [["a", "b", "a"]]  # no module cycle, but a package cycle
+    assert find_cycles(graph) == []
+    assert layering_violations(graph, ("a", "b", "c")) == ["seqpar.a.x (a) -> seqpar.b.y (b)"]
+    assert layering_violations({"seqpar.q": set()}, ("a",)) == ["seqpar.q: layer 'q' is not in the declared order"]

@@ -12,7 +12,7 @@ import pytest
 
 from seqpar import init_parallel
 from seqpar.config import load_run_config
-from seqpar.train.checkpoint import complete_checkpoints
+from seqpar.checkpoint import complete_checkpoints
 
 
 def _token_file(path: Path) -> str:
@@ -187,7 +187,7 @@ class _Evil:
 def test_checkpoint_metadata_cannot_run_code(tmp_path):
     import pickle
 
-    from seqpar.train.checkpoint import SafeReader
+    from seqpar.checkpoint import SafeReader
     (tmp_path / ".metadata").write_bytes(pickle.dumps(_Evil()))
     with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
         SafeReader(tmp_path).read_metadata()

@@ -187,7 +187,7 @@ def _fit_then_resume_other_corpus(rank, world, tmp):
 
 def test_fit_evaluates_samples_logs_and_checkpoints_its_tokenizer(spawn, tmp_path, capsys):
     from seqpar.cli import main
-    from seqpar.train.data import prepare_corpus
+    from seqpar.data import prepare_corpus
     _text_corpus(tmp_path / "text", WORDS)
     _text_corpus(tmp_path / "other", OTHER_WORDS)
     (h0, out0, refused0), (h1, out1, refused1) = spawn(_fit_then_resume_other_corpus, 2, tmp_path)

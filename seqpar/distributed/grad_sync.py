@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..sharding import mark_sp_replicated, module_layouts, sp_replicated_parameters
+from .layouts import mark_sp_replicated, module_layouts, sp_replicated_parameters
 from .collectives import ProcessGroup, all_reduce, group_size
 
 HOOKED = "_seqpar_sp_grad_hooked"  # on a module: {own parameter name: id(parameter)} of those with a TP-sum hook

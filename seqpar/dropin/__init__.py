@@ -10,7 +10,6 @@
     wrappers.py         ``unwrap``: the model inside ``torch.compile`` / DDP wrappers
     plans.py            ready plans for HF GPT-2 and Llama (published as ``seqpar.plans``)
     attention.py        ``checkpoint_attention``: RNG-exact recompute of HF attention cores
-    interop_gpt2.py     HF GPT-2 <-> seqpar's GPT weights (published as ``seqpar.interop.gpt2``)
 
 Import everything but ``parallelize`` and the ready plans from here.
 """

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..config import load_run_config
     from ..model import GPT
-    from .checkpoint import latest_checkpoint, load_model_only
+    from ..checkpoint import latest_checkpoint, load_model_only
 
     path = Path(args.checkpoint)
     exported = (path / "model.safetensors").is_file() and (path / "config.yaml").is_file()
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg.model.recompute, cfg.model.dropout, cfg.model.attention_dropout = "none", 0.0, 0.0
     model = GPT(cfg.model)
     if exported:
-        from .export import read_safetensors
+        from ..checkpoint.safetensors import read_safetensors
         model.load_dense_state_dict(read_safetensors(path / "model.safetensors"))
     else:
         load_model_only(path, model)

@@ -20,7 +20,7 @@ from ..config import RunConfig
 from ..distributed.mesh import ParallelMesh
 from ..memory.whole_model import model_activation_bytes
 from ..parallel import PeakActivationLedger, build_pipeline, layers_in_flight, resolve_schedule
-from .batches import Batch
+from ..data import Batch
 from .precision import Precision
 
 

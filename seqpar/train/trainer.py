@@ -39,9 +39,9 @@ from ..parallel.data_parallel import DataParallel, state_bytes, state_line
 from ..parallel.pipeline import check_microbatches, resolve_schedule
 from ..plan.recompute import resolve_recompute
 from .activations import ActivationProbe
-from .batches import Batch
-from .checkpoint import open_checkpoint_dir
-from .run_data import data_streams, load_corpus, tokenizer_attachment
+from ..data import Batch
+from ..checkpoint import open_checkpoint_dir
+from ..data import data_streams, load_corpus, tokenizer_attachment
 from .trainer_checkpoints import TrainerCheckpoints
 from .faults import StopRequest, nonfinite_error, nonfinite_what
 from .generate import sample as sample_ids

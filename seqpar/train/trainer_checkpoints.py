@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from ..config import dump
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .faults import check_finite_weights, check_tokenizer
 
 

@@ -10,19 +10,17 @@ load of one key) and streamed into the safetensors file, so the whole model is n
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import struct
 import warnings
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import torch
 
+from ..checkpoint.safetensors import write_safetensors
 from ..model.config import DTYPES, GPTConfig
 
-_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 Loader = Callable[[str], torch.Tensor]
 
 
@@ -44,11 +42,11 @@ def hf_stream(config: GPTConfig, load: Loader) -> Iterator[tuple[str, torch.Tens
     """``(Hugging Face name, tensor)`` for every tensor of the HF state dict (tied weights once),
     calling ``load(dense_name)`` once per seqpar dense tensor, in a fixed order."""
     if family_of(config) == "llama":
-        from ..dropin.interop_llama import hf_tensors
+        from .llama import hf_tensors
 
         yield from hf_tensors(config, load)
         return
-    from ..dropin.interop_gpt2 import _names
+    from .gpt2 import _names
 
     for ours, (theirs, transposed) in _names(config.layers, config.tie_embeddings).items():
         w = load(ours)
@@ -58,7 +56,7 @@ def hf_stream(config: GPTConfig, load: Loader) -> Iterator[tuple[str, torch.Tens
 def hf_config(config: GPTConfig, shapes: dict[str, torch.Size]):
     """The ``transformers`` config object of ``config``: ``to_hf`` run on the meta device, so its
     name and value mapping is the one used, without allocating the model."""
-    from ..dropin import interop_gpt2, interop_llama
+    from . import gpt2 as interop_gpt2, llama as interop_llama
 
     to_hf = interop_llama.to_hf if family_of(config) == "llama" else interop_gpt2.to_hf
     with torch.device("meta"):
@@ -67,58 +65,9 @@ def hf_config(config: GPTConfig, shapes: dict[str, torch.Size]):
     return model.config
 
 
-def write_safetensors(path: Path, header: list[tuple[str, tuple[int, ...], torch.dtype]],
-                      tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Write a safetensors file whose entries ``header`` lists (name, shape, dtype) in order, taking
-    the data from ``tensors`` one at a time (they must come in the same order). Atomic: written to
-    ``path.tmp`` and renamed."""
-    meta, offset = {}, 0
-    for name, shape, dtype in header:
-        n = torch.Size(shape).numel() * dtype.itemsize
-        meta[name] = {"dtype": _ST_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    meta["__metadata__"] = {"format": "pt"}
-    raw = json.dumps(meta, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for (name, shape, dtype), (got, t) in zip(header, tensors, strict=True):
-            if got != name or tuple(t.shape) != tuple(shape):
-                raise ValueError(f"write_safetensors: expected {name} {tuple(shape)}, got {got} {tuple(t.shape)}")
-            data = t.detach().to(device="cpu", dtype=dtype).contiguous().reshape(-1).view(torch.uint8)
-            f.write(data.numpy().tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file (header JSON, then raw little-endian data; nothing in it
-    runs code). ``ValueError`` naming the file when the header does not describe its bytes."""
-    by_name = {v: k for k, v in _ST_DTYPES.items()}
-    data = Path(path).read_bytes()
-    try:
-        (n,) = struct.unpack("<Q", data[:8])
-        meta = json.loads(data[8:8 + n])
-        out = {}
-        for name, entry in meta.items():
-            if name == "__metadata__":
-                continue
-            start, end = entry["data_offsets"]
-            dtype, shape = by_name[entry["dtype"]], torch.Size(entry["shape"])
-            if end - start != shape.numel() * dtype.itemsize or 8 + n + end > len(data):
-                raise ValueError(f"{name}: {end - start} bytes for {entry['dtype']} {list(shape)}")
-            raw = bytearray(data[8 + n + start:8 + n + end])
-            out[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
-        return out
-    except (KeyError, TypeError, ValueError, struct.error) as e:
-        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
-
-
 def resolve_checkpoint(path: str | Path) -> Path:
     """A complete checkpoint folder: ``path`` itself, or the one a checkpoint dir resumes from."""
-    from .checkpoint import checkpoint_problem, latest_checkpoint
+    from ..checkpoint import checkpoint_problem, latest_checkpoint
 
     path = Path(path)
     if not (path / "extra.json").is_file():
@@ -137,7 +86,7 @@ def checkpoint_tensors(path: Path) -> tuple[dict[str, tuple[torch.Size, torch.dt
     reading one of them (one DCP load of that key, through the checkpoint's safe reader)."""
     import torch.distributed.checkpoint as dcp
 
-    from .checkpoint import SafeReader
+    from ..checkpoint import SafeReader
 
     reader = SafeReader(path)
     entries = {k[len("model."):]: (m.size, m.properties.dtype)

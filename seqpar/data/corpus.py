@@ -23,7 +23,7 @@ ids inside the vocabulary.
 Under distributed training every rank calls :func:`prepare_corpus`: a file lock lets one process
 build the cache while the others wait on the lock (no collective, so no process-group timeout
 applies however long the build takes), then each opens the verified result. Batches are cut by
-:mod:`seqpar.train.batches`.
+:mod:`seqpar.data.batches`.
 """
 from __future__ import annotations
 
@@ -39,8 +39,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from .batches import TokenBatches, eval_batches  # noqa: F401  (re-exported: the data pipeline's batches)
-from .corpus_cache import (CHUNK, EOT, Document, Log, build_cache, cache_problem, locked,  # noqa: F401
+from .cache import (CHUNK, EOT, Document, Log, build_cache, cache_problem, locked,  # noqa: F401
                            token_dtype)
 
 MIN_VOCAB = 257  # 256 byte tokens + the end-of-text token

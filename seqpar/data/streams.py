@@ -6,7 +6,7 @@ from typing import Callable
 
 from ..config import RunConfig
 from .batches import Batch, TokenBatches, eval_batches
-from .data import Corpus, prepare_corpus
+from .corpus import Corpus, prepare_corpus
 
 
 def load_corpus(cfg: RunConfig, log: Callable[[str], None]) -> Corpus:

@@ -30,7 +30,7 @@ def _load_hf(hf_dir: Path, dtype: str):
     """The local model (``transformers`` Auto classes, no download) and its seqpar interop module."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..dropin import interop_gpt2, interop_llama
+    from . import gpt2 as interop_gpt2, llama as interop_llama
 
     if not (hf_dir / "config.json").is_file():
         raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
@@ -70,7 +70,7 @@ def run_config(model_config, config: str | None, overrides: list[str], checkpoin
 
 def _zero_adamw(model, run: RunConfig):
     """AdamW as the trainer builds it, with the state of step 0 written out (zero moments)."""
-    from .optim import build_optimizer
+    from ..train.optim import build_optimizer
 
     tc = run.train
     optimizer = build_optimizer(model, lr=tc.lr, weight_decay=tc.weight_decay, betas=(tc.beta1, tc.beta2))
@@ -85,7 +85,7 @@ def import_hf(hf_dir: str | Path, checkpoint_dir: str | Path, *, config: str | N
     """Convert ``hf_dir`` into step 0 of ``checkpoint_dir`` (which must hold no checkpoint yet);
     returns the checkpoint folder. One process, no process group."""
     from ..model import GPT
-    from .checkpoint import complete_checkpoints, open_checkpoint_dir, save_checkpoint
+    from ..checkpoint import complete_checkpoints, open_checkpoint_dir, save_checkpoint
 
     hf_dir, root = Path(hf_dir), Path(checkpoint_dir)
     if complete_checkpoints(root):

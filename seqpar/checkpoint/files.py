@@ -1,7 +1,7 @@
 """The filesystem side of checkpoints: which folders are complete, sealing one, and one job per dir.
 
 A checkpoint counts only if its ``complete.json`` marker lists every file with its size (written
-last, after fsyncing every file and the folder). The save/load side is :mod:`seqpar.train.checkpoint`.
+last, after fsyncing every file and the folder). The save/load side is :mod:`seqpar.checkpoint.save_load`.
 """
 from __future__ import annotations
 

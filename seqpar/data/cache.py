@@ -4,7 +4,7 @@ A folder ``corpus-<fingerprint>/`` holds ``tokenizer.json``, ``tokens.bin`` (raw
 ``meta.json``. Each file is written under a temporary name, fsynced, renamed into place and the
 folder fsynced; ``meta.json`` comes last and records each file's size and SHA-256, so a folder
 either verifies completely (:func:`cache_problem`) or is rebuilt (:func:`build_cache`). The
-policy (when to build, what to tell the user) lives in :mod:`seqpar.train.data`.
+policy (when to build, what to tell the user) lives in :mod:`seqpar.data.corpus`.
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ tensors only), ``extra.json`` (step, data position, layout), ``config.yaml``, at
 (``tokenizer.json``) and the completion marker ``complete.json`` = ``{"step": N, "files":
 {relative path: size in bytes}}``. Tensors are described by their dense, layout-invariant names
 and shapes (:meth:`GPT.dense_state_dict`) but written sharded: each rank writes only the pieces it
-holds and reads only the pieces it needs (:mod:`seqpar.train.sharded_state`), so no rank ever
+holds and reads only the pieces it needs (:mod:`seqpar.checkpoint.pieces`), so no rank ever
 holds another rank's shard, and a checkpoint saved at one (tp, dp, data_parallel) layout loads at
 any other.
 
@@ -32,7 +32,7 @@ filesystem shared by all nodes (every rank writes into the same folder) with ``f
 clients (NFSv4; Lustre mounted with ``-o flock``).
 
 Trust. A checkpoint folder is untrusted input and loading it runs no code from it:
-``.metadata`` (a pickle) goes through :mod:`seqpar.train.safe_metadata` (exact (module, name) pairs
+``.metadata`` (a pickle) goes through :mod:`seqpar.checkpoint.safe_metadata` (exact (module, name) pairs
 of DCP's metadata classes, ``torch.Size``, dtypes, ``PosixPath``; no imports, attribute lookups or
 ``getattr``; tensor entries only, since DCP unpickles bytes entries with ``weights_only=False``;
 storage paths confined to the folder); tensor data and RNG files are read with
@@ -55,10 +55,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from ..distributed.rng import RNGStreams, capture_rng, restore_rng
-from .checkpoint_files import (PREFIX, _commit, _fsync, _prune, _seal, checkpoint_problem, complete_checkpoints,
+from .files import (PREFIX, _commit, _fsync, _prune, _seal, checkpoint_problem, complete_checkpoints,
                                latest_checkpoint, open_checkpoint_dir)
 from .safe_metadata import SafeReader
-from .sharded_state import PartsLoadPlanner, PartsSavePlanner, optimizer_moments, training_parts
+from .pieces import PartsLoadPlanner, PartsSavePlanner, optimizer_moments, training_parts
 
 def _require_complete(path: Path) -> dict:
     """``extra.json`` of a complete checkpoint; ``ValueError`` naming the folder otherwise."""
