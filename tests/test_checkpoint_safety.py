@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from seqpar.model import GPT, GPTConfig
-from seqpar.train import checkpoint as ck
+from seqpar.checkpoint import save_load as ck
 from seqpar.train.optim import build_optimizer
 
 MARKER = "complete.json"  # the completion marker: {"step": N, "files": {relative path: size in bytes}}

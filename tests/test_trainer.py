@@ -221,7 +221,7 @@ BUILD_S, COLLECTIVE_TIMEOUT_S = 8.0, 3.0
 def _slow_corpus_build(rank, world, overrides):
     import time
 
-    from seqpar.train import corpus_cache
+    from seqpar.data import cache as corpus_cache
     train_tokenizer = corpus_cache._train_tokenizer
 
     def slow(*args, **kwargs):  # stands for hours of tokenizing a large corpus
