@@ -124,6 +124,12 @@ def shell_commands(text: str) -> list[list[str]]:
     return out
 
 
+def inline_commands(text: str) -> list[list[str]]:
+    """The inline code spans of the prose that are whole seqpar command lines (`seqpar memory --paper`)."""
+    spans = [m.group(1) for line in split_markdown(text)[0] for m in re.finditer(r"`(seqpar [^`]+)`", line)]
+    return [shlex.split(span) for span in spans]
+
+
 def as_seqpar(tokens: list[str]) -> list[str] | None:
     """``seqpar CMD ...``, ``python -m seqpar.cli CMD ...`` and ``torchrun ... -m seqpar.train ...``
     as ``[CMD, args...]``; None for any other command."""
@@ -194,7 +200,7 @@ def command_problems(text: str, helps: dict[str, str | None], check_configs: boo
     """Unknown seqpar commands, flags a command's --help does not list, configs that do not load,
     and flags a script given to python / bash / torchrun does not define."""
     bad = []
-    for tokens in shell_commands(text):
+    for tokens in shell_commands(text) + inline_commands(text):
         line = " ".join(tokens)
         sp = as_seqpar(tokens)
         if sp is not None:
@@ -240,7 +246,7 @@ def seqpar_help(cmd: str) -> str | None:
 def helps() -> dict[str, str | None]:
     used = set()
     for page in PAGES:
-        for tokens in shell_commands(page.read_text()):
+        for tokens in shell_commands(page.read_text()) + inline_commands(page.read_text()):
             sp = as_seqpar(tokens)
             if sp is not None:
                 used.add(sp[0])
@@ -287,6 +293,8 @@ seqpar train tiny-cpu --no-such-flag 1 \\
 seqpar memory no-such-config
 python scripts/demo_sp_mlp.py --bogus
 ```
+
+Inline, `seqpar memory --mesure` is checked too.
 """
 
 
@@ -302,11 +310,12 @@ def test_the_checks_find_what_is_wrong():
     ]
     assert path_problems(page, SYNTHETIC) == ["synthetic.md: mentions 'configs/no-such.yaml', which does not exist"]
     bad = command_problems(SYNTHETIC, helps)
-    assert len(bad) == 5, bad
+    assert len(bad) == 6, bad
     assert "no seqpar command 'trian'" in bad[0]
     assert "--help lists no --no-such-flag" in bad[1] and "--ignored" not in " ".join(bad)
     assert "unknown key 'train.stepz'" in bad[2]
     assert "'no-such-config' is neither an existing file nor a shipped config" in bad[3]
     assert "scripts/demo_sp_mlp.py defines no --bogus" in bad[4]
+    assert "seqpar memory --help lists no --mesure" in bad[5]
     clean = SYNTHETIC.split("```bash")[0].replace("[gone](nowhere.md),", "").replace("[bad anchor](#no-such-heading),", "")
     assert link_problems(page, clean) == [] and command_problems("```bash\nseqpar train tiny-cpu\n```", helps) == []
