@@ -209,3 +209,30 @@ def test_building_a_gpt_reseeds_no_generator(monkeypatch):
     assert torch.equal(torch.get_rng_state(), before)
     b = GPT(GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, layers=2), seed=4)
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+# ---------------------------------------------------------------- gloo ranks on one GPU (validation)
+def test_gloo_ranks_can_share_one_gpu(monkeypatch):
+    """init_parallel(backend="gloo", device="cuda:0"): every rank on the one GPU, the group gloo
+    (NCCL refuses two ranks on one device), no device_id bound."""
+    _fake_gpus(monkeypatch, 1)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    seen = {}
+
+    def fake_init(**kwargs):
+        seen.update(kwargs)
+        raise _Stop
+
+    monkeypatch.setattr(dist, "init_process_group", fake_init)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(_Stop):
+        init_parallel(tp=2, world_size=2, rank=1, init_method="file:///nonexistent", backend="gloo", device="cuda:0")
+    assert seen["backend"] == "gloo" and "device_id" not in seen
+
+
+def test_an_explicit_cuda_device_without_a_gpu_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: pytest.fail("a group was created"))
+    with pytest.raises(ValueError, match=r"device='cuda:0'.*no GPU"):
+        init_parallel(tp=2, world_size=2, rank=0, init_method="file:///nonexistent", backend="gloo", device="cuda:0")
