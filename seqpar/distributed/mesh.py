@@ -163,6 +163,20 @@ def _explicit_device(device: str | torch.device, backend: str) -> torch.device:
     return device
 
 
+def _init_default_group(backend: str, device: torch.device, world_size: int, rank: int | None,
+                        init_method: str | None, timeout: timedelta) -> None:
+    """The default process group: torchrun's store (scoped by restart), or ``init_method``."""
+    kwargs: dict = dict(backend=backend, timeout=timeout)
+    if init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        kwargs.update(_restart_scoped_store(world_size, timeout))
+    elif init_method is not None:
+        kwargs.update(init_method=init_method, rank=rank if rank is not None else int(os.environ.get("RANK", "0")),
+                      world_size=world_size)
+    if device.type == "cuda" and "nccl" in backend:
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+
+
 def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, rank: int | None = None,
                   world_size: int | None = None, init_method: str | None = None,
                   backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT,
@@ -199,15 +213,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, rank: int 
         return ParallelMesh.single(device)
 
     if not dist.is_initialized():
-        kwargs: dict = dict(backend=backend, timeout=timeout)
-        if init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            kwargs.update(_restart_scoped_store(world_size, timeout))
-        elif init_method is not None:
-            kwargs.update(init_method=init_method, rank=rank if rank is not None else int(os.environ.get("RANK", "0")),
-                          world_size=world_size)
-        if device.type == "cuda" and "nccl" in backend:
-            kwargs["device_id"] = device
-        dist.init_process_group(**kwargs)
+        _init_default_group(backend, device, world_size, rank, init_method, timeout)
 
     from torch.distributed.device_mesh import init_device_mesh
 
