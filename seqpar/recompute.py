@@ -75,7 +75,11 @@ def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: f
     """The kernel ``scaled_dot_product_attention`` runs for these inputs when grad is on (as in a
     recomputation's replay, and in a plain training forward). Grad only ever rules kernels out, so
     this one also runs in a no-grad first pass. Respects an enclosing ``sdpa_kernel`` choice."""
+    dev = q.device.type
     with torch.enable_grad():
+        if torch.is_autocast_enabled(dev) and q.dtype != torch.get_autocast_dtype(dev):
+            # the kernel sees autocast's copies: choose for those (a transient copy, autocast makes it anyway)
+            q, k, v = (x.to(torch.get_autocast_dtype(dev)) for x in (q, k, v))
         choice = torch._fused_sdp_choice(q, k, v, None, dropout_p, is_causal, enable_gqa=enable_gqa)
     return SDPBackend(choice)
 
