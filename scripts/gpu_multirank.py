@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from gpu_common import NEEDS_CUDA, Row, verdict
+from gpu_launch import show_failure, subprocess_env, torchrun
 from gpu_runs import RUN_MODEL, max_rel, run_config, train_losses
 from seqpar.distributed import ParallelMesh, init_parallel, sync_sp_replicated_grads
 from seqpar.model import GPT, GPTConfig
@@ -177,13 +178,14 @@ def worker(out: str, device: str) -> int:
 
 
 # ---------------------------------------------------------------------------------- in the parent
-def check_multirank(device: str, script: Path, torchrun, env, show_failure, timeout_s: int) -> list[Row]:
+def check_multirank(device: str, script: Path, timeout_s: int) -> list[Row]:
     """The two-rank rows: one torchrun of :func:`worker`, compared with this process's t=1 run."""
     with tempfile.TemporaryDirectory(prefix="seqpar-validate-2ranks-") as d:
         tmp = Path(d)
         reference = train_losses(run_config(tmp, device, "t1", []), ParallelMesh.single(device), STEPS)
         out = tmp / "multirank.json"
-        proc = torchrun(2, [str(script), "--multirank-worker", str(out), "--device", device], env(device, tmp),
+        proc = torchrun(2, [str(script), "--multirank-worker", str(out), "--device", device],
+                        subprocess_env(device, tmp),
                         timeout_s)
         results = json.loads(out.read_text()) if proc.returncode == 0 and out.exists() else None
     where = "both on cuda:0, gloo" if device == "cuda" else "gloo"
