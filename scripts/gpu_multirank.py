@@ -54,7 +54,8 @@ class _Staged:
         if self.work is not None:
             self.work.wait(*args)
         if self.target is not None:
-            self.target.copy_(self.host)
+            with torch.no_grad():  # pipelining's receive buffers are leaves that require grad
+                self.target.copy_(self.host)
             self.target = None
         return True
 
@@ -63,21 +64,22 @@ class _Staged:
 
 
 @contextlib.contextmanager
-def host_staged_p2p():
+def host_staged_p2p(stage_cpu: bool = False):
     """Inside the block, ``isend`` / ``irecv`` of a non-CPU tensor go through a CPU copy (gloo
     reads and writes host memory only). ``batch_isend_irecv`` and ``P2POp`` see the staged
-    functions, so torch's pipelining schedules use them unchanged."""
+    functions, so torch's pipelining schedules use them unchanged. ``stage_cpu`` stages CPU
+    tensors too (the CPU smoke mode runs the staging that way)."""
     c10d = dist.distributed_c10d
     real_isend, real_irecv = c10d.isend, c10d.irecv
 
     def isend(tensor, dst=None, group=None, tag=0, group_dst=None):
-        if tensor.device.type == "cpu":
+        if tensor.device.type == "cpu" and not stage_cpu:
             return real_isend(tensor, dst, group, tag, group_dst=group_dst)
-        host = tensor.detach().to("cpu")  # a blocking copy: the bytes are ready when gloo sends
+        host = tensor.detach().to("cpu", copy=True)  # a blocking copy: the bytes are ready when gloo sends
         return _Staged(real_isend(host, dst, group, tag, group_dst=group_dst), host, None)
 
     def irecv(tensor, src=None, group=None, tag=0, group_src=None):
-        if tensor.device.type == "cpu":
+        if tensor.device.type == "cpu" and not stage_cpu:
             return real_irecv(tensor, src, group, tag, group_src=group_src)
         host = torch.empty(tensor.shape, dtype=tensor.dtype)
         return _Staged(real_irecv(host, src, group, tag, group_src=group_src), host, tensor)
@@ -165,7 +167,7 @@ def worker(out: str, device: str) -> int:
     dev = "cuda:0" if device == "cuda" else "cpu"
     tmp = Path(out).parent
     results: dict = {}
-    with host_staged_p2p():
+    with host_staged_p2p(stage_cpu=True):  # on the CPU too, so that the smoke mode runs the staging
         for name, (tp, dp, pp, overrides) in CASES.items():
             results[name] = _guarded(lambda: _case(tmp, device, dev, name, tp, dp, pp, overrides))
         results["sp dropout"] = _guarded(lambda: _sp_dropout(dev, device))
