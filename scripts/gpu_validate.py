@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """One asserting validation of seqpar on a GPU, with a CPU smoke mode the test suite runs.
 
-    python scripts/gpu_validate.py                  # one GPU: under 5 minutes on an H200
+    python scripts/gpu_validate.py                  # one GPU: under 8 minutes on an H200
     python scripts/gpu_validate.py --tp 8           # also the correctness check at t=8 with SP
     python scripts/gpu_validate.py --device cpu     # tiny shapes, every check a CPU can run
 
@@ -25,21 +25,32 @@ Checks, each a row (or a few) of the Markdown table it prints (measured, thresho
 6. tp (``--tp N``, N > 1): check 1 again on N ranks with tensor + sequence parallelism, against
    the same reference.
 
-Exits 1 when any row FAILs. ``--device cpu`` runs checks 1-3 and 5 with tiny shapes (the ledger
-stands in for memory_allocated), check 4 tiny with its ratios shown but not asserted, and check
-6 on gloo ranks.
+7. sdpa (scripts/gpu_runs.py): attention dropout 0.1 and 0.125 (cuDNN's 1/16 steps) under
+   selective recompute: gradients bit-identical to no recompute, the replay runs the forward's
+   attention kernels (torch.profiler names, printed).
+8. resume: 12 steps with dropout checkpointed at 10; resuming at 10 gives steps 11-12 bit for
+   bit; on CUDA the checkpoint also resumes on the CPU (streams reseeded, one warning).
+9. precision: bf16-autocast within 2% of fp32 over 6 steps.
+10. syncs (CUDA): host syncs of a non-logging Trainer step under
+    ``torch.cuda.set_sync_debug_mode("warn")``, at most the one ``Trainer.agree`` read.
+11. lines: the Trainer's activation and state lines; on CUDA its peak-memory line per log step.
+12. async: ``save_checkpoint(async_save=True)`` returns in < 25% of a synchronous save (CUDA).
+13. multirank (scripts/gpu_multirank.py): two ranks on the one device over gloo
+    (``init_parallel(backend="gloo", device="cuda:0")``): t=2 SP, dp=2 DDP, dp=2 FSDP2 and pp=2
+    losses within 1e-4 of t=1 on the same device; t=2 SP with dropout: recompute bit-identical,
+    per-TP-rank streams differ; on CUDA pp=2 step time with chunk timing off <= on.
+
+Exits 1 when any row FAILs. ``--device cpu`` runs every check a CPU can with tiny shapes (the
+ledger stands in for memory_allocated; timings shown but not asserted; check 6 and 13 on gloo
+ranks); what needs CUDA is a SKIP row saying so.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import gc
 import json
 import os
-import re
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -50,17 +61,24 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))  # this checkout's seqpar, installed or not
+for _path in (ROOT, ROOT / "scripts"):  # this checkout's seqpar (installed or not) and the helper modules
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
 
-from seqpar import flops  # noqa: E402
-from seqpar.config import TrainConfig  # noqa: E402
+import gpu_multirank  # noqa: E402
+import gpu_runs  # noqa: E402
+from gpu_common import Row, batch, fp32_exact, sync, verdict  # noqa: E402
+from gpu_launch import check_launcher, show_failure, subprocess_env, torchrun  # noqa: E402
+from gpu_throughput import check_throughput  # noqa: E402
 from seqpar.distributed import ParallelMesh, init_parallel, sync_sp_replicated_grads  # noqa: E402
 from seqpar.memory import ActivationLedger, bytes_per_layer  # noqa: E402
 from seqpar.model import GPT, GPTConfig  # noqa: E402
-from seqpar.train.optim import build_optimizer  # noqa: E402
 
-CHECKS = ("correctness", "rng", "memory", "throughput", "launcher", "tp")
+CHECKS = ("correctness", "rng", "memory", "throughput", "launcher", "tp", "sdpa", "resume", "precision", "syncs",
+          "lines", "async", "multirank")
+# planned seconds of each check on one H200 (gpu_check.sh's budget is 480 s in all)
+PLANNED_S = {"correctness": 40, "rng": 15, "memory": 20, "throughput": 90, "launcher": 60, "tp": 60, "sdpa": 10,
+             "resume": 30, "precision": 10, "syncs": 10, "lines": 10, "async": 30, "multirank": 90}
 TABLE2 = {"none": "tp", "selective": "tp_selective", "full": "full"}  # recompute mode -> Table 2 row at t=1
 Perturb = Callable[[dict[str, torch.Tensor]], None]
 
@@ -88,54 +106,11 @@ class Shapes:
         return cls(model, 2, (2, 4), big, 4, steps=8, warmup=3, timeout_s=240)
 
 
-@dataclasses.dataclass(frozen=True)
-class Row:
-    check: str
-    measured: str
-    threshold: str
-    result: str  # PASS, FAIL, INFO (shown, not asserted) or SKIP
-
-
-def verdict(ok: bool) -> str:
-    return "PASS" if ok else "FAIL"
-
-
 def table(rows: list[Row]) -> str:
     """The Markdown table of every row."""
     lines = ["| check | measured | threshold | result |", "|---|---|---|---|"]
     lines += [f"| {r.check} | {r.measured} | {r.threshold} | {r.result} |" for r in rows]
     return "\n".join(lines)
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n / 2**10:.1f} KiB"
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def fp32_exact():
-    """fp32 matmuls in full precision (TF32 off) inside the block."""
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("highest")
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
-
-
-def batch(vocab: int, b: int, s: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random tokens and labels ``[b, s]``, identical on every rank (drawn on the CPU, then moved)."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (b, s), generator=g)
-    labels = torch.randint(0, vocab, (b, s), generator=g)
-    return tokens.to(device), labels.to(device)
 
 
 # ---------------------------------------------------------------------------------- reference
@@ -317,150 +292,6 @@ def check_memory(device: str, shapes: Shapes) -> list[Row]:
     return rows
 
 
-def time_mode(model: GPT, opt, tokens: torch.Tensor, mode: str, shapes: Shapes) -> dict:
-    """Median step time (forward, backward, AdamW) and peak memory of ``model`` at recompute ``mode``."""
-    model.set_recompute(mode)
-    dev = tokens.device
-    times = []
-    for i in range(shapes.warmup + shapes.steps):
-        if i == shapes.warmup and dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(dev)
-        sync(dev)
-        t0 = time.perf_counter()
-        loss = model(tokens, tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sync(dev)
-        if i >= shapes.warmup:
-            times.append(time.perf_counter() - t0)
-    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
-    if peak is None:  # on the CPU: the activations one forward keeps, by the ledger
-        with ActivationLedger(model) as ledger:
-            model(tokens, tokens)
-        peak = ledger.total()
-    return {"step_s": statistics.median(times), "peak": peak, "loss": float(loss.detach())}
-
-
-def throughput_rows(res: dict[str, dict], cfg: GPTConfig, b: int, device: str) -> list[Row]:
-    """Rows of check 4: per-mode timing (INFO), the two time ratios and the memory order."""
-    on_gpu = device == "cuda"
-    mf = flops.model_flops(B=b, s=cfg.seq_len, h=cfg.hidden, L=cfg.layers, v=cfg.vocab_size)
-    peak_flops = flops.peak_flops(torch.cuda.get_device_name()) if on_gpu else None
-    mem = "peak memory" if on_gpu else "activation bytes (ledger)"
-    rows = []
-    for mode, r in res.items():
-        mfu = f"MFU {mf / r['step_s'] / peak_flops:.1%}" if peak_flops else "MFU n/a (unknown peak)"
-        rows.append(Row(f"throughput {mode}", f"{r['step_s'] * 1e3:.1f} ms/step, {mf / r['step_s'] / 1e12:.3g} "
-                        f"TFLOP/s, {mfu}, {mem} {fmt_bytes(r['peak'])}", "-", "INFO"))
-    note = "" if on_gpu else " (tiny CPU run: shown, asserted on CUDA only)"
-    sel, full = (res[m]["step_s"] / res["none"]["step_s"] for m in ("selective", "full"))
-    rows.append(Row(f"throughput selective / none{note}", f"{sel:.3f}", "<= 1.22",
-                    verdict(sel <= 1.22) if on_gpu else "INFO"))
-    rows.append(Row(f"throughput full / none{note}", f"{full:.3f}", "in [1.2, 1.45]",
-                    verdict(1.2 <= full <= 1.45) if on_gpu else "INFO"))
-    peaks = [res[m]["peak"] for m in ("none", "selective", "full")]
-    rows.append(Row(f"throughput {mem} none > selective > full",
-                    " > ".join(fmt_bytes(p) for p in peaks), "strictly decreasing",
-                    verdict(peaks[0] > peaks[1] > peaks[2])))
-    return rows
-
-
-def check_throughput(device: str, shapes: Shapes) -> list[Row]:
-    """Check 4: step time of recompute none / selective / full on one model (bf16 parameters,
-    dropout 0.1, math attention)."""
-    mesh = ParallelMesh.single(device)
-    cfg = GPTConfig(**shapes.big, dropout=0.1, attention_dropout=0.1, recompute="none", sequence_parallel=False,
-                    attention="math", dtype="bfloat16")
-    model = GPT(cfg, mesh, seed=0)
-    opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
-    tokens = batch(cfg.vocab_size, shapes.big_batch, cfg.seq_len, mesh.device)[0]
-    res = {mode: time_mode(model, opt, tokens, mode, shapes) for mode in ("none", "selective", "full")}
-    del model, opt
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return throughput_rows(res, cfg, shapes.big_batch, device)
-
-
-def subprocess_env(device: str, tmp: Path) -> dict[str, str]:
-    """Environment of a torchrun child: this checkout importable, caches in ``tmp``, no GPU on the CPU."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               SEQPAR_CACHE=str(tmp / "cache"), PYTHONUNBUFFERED="1")
-    if device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""  # gloo ranks on the CPU even on a GPU machine
-    return env
-
-
-def torchrun(nproc: int, args: list[str], env: dict[str, str], timeout_s: int) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc-per-node nproc ARGS``; stdout and stderr captured together."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *args]
-    try:
-        return subprocess.run(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=timeout_s)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        return subprocess.CompletedProcess(cmd, 124, out + f"\n(timed out after {timeout_s} s)")
-
-
-def show_failure(what: str, proc: subprocess.CompletedProcess) -> None:
-    print(f"--- {what} exited {proc.returncode}; last lines of its output:\n" + proc.stdout[-4000:], file=sys.stderr)
-
-
-def launcher_overrides(tmp: Path) -> list[str]:
-    """Overrides of ``tiny-cpu`` for check 5: one rank, small batches, dropout, eval and checkpoints
-    every 5 steps, a local token file (no tokenizer training, nothing downloaded), all under ``tmp``."""
-    import numpy as np
-    if not (tmp / "tokens.npy").exists():
-        np.save(tmp / "tokens.npy", np.random.default_rng(0).integers(0, 2048, size=200_000).astype(np.uint16))
-    ov = ["parallel.tp=1", "train.micro_batch=2", "model.dropout=0.1", "model.attention_dropout=0.1",
-          "train.log_interval=5", "train.eval_interval=5", "train.eval_batches=2", "checkpoint.interval=5",
-          f"checkpoint.dir={tmp / 'ckpt'}", f"out_dir={tmp / 'out'}", f"data.source={tmp / 'tokens.npy'}"]
-    if "precision" in {f.name for f in dataclasses.fields(TrainConfig)}:
-        ov.append("train.precision=bf16")  # the paper's recipe
-    return ov
-
-
-def launcher_run(tmp: Path, device: str, args: list[str], timeout_s: int) -> tuple[subprocess.CompletedProcess, dict]:
-    """One ``torchrun -m seqpar.train tiny-cpu`` of check 5 and what it logged: its train and eval
-    steps (from ``metrics.jsonl``, or eval lines on stdout) and whether every loss was finite."""
-    metrics = tmp / "out" / "metrics.jsonl"
-    seen = len(metrics.read_text().splitlines()) if metrics.exists() else 0
-    proc = torchrun(1, ["-m", "seqpar.train", "tiny-cpu", *launcher_overrides(tmp), *args],
-                    subprocess_env(device, tmp), timeout_s)
-    records = [json.loads(line) for line in metrics.read_text().splitlines()[seen:]] if metrics.exists() else []
-    train = [r for r in records if "loss" in r]
-    evals = {r["step"] for r in records if "eval loss" in r}
-    evals |= {int(step) for step in re.findall(r"eval loss \S+ at step (\d+)", proc.stdout)}
-    finite = all(abs(r["loss"]) < 1e4 for r in train)  # False for nan and inf too
-    return proc, {"steps": [r["step"] for r in train], "evals": sorted(evals), "finite": finite}
-
-
-def check_launcher(device: str, shapes: Shapes) -> list[Row]:
-    """Check 5: ``torchrun -m seqpar.train tiny-cpu`` for 10 steps, then a resume to 12."""
-    backend = "NCCL" if device == "cuda" else "gloo"
-    with tempfile.TemporaryDirectory(prefix="seqpar-validate-") as d:
-        tmp = Path(d)
-        first, log1 = launcher_run(tmp, device, ["train.steps=10", "checkpoint.resume=never"], shapes.timeout_s)
-        second, log2 = launcher_run(tmp, device, ["train.steps=12", "checkpoint.resume=auto"], shapes.timeout_s)
-    on_device = f"device={'cuda' if device == 'cuda' else 'cpu'}" in first.stdout
-    ok1 = (first.returncode == 0 and log1["steps"] == [5, 10] and log1["evals"] == [5, 10] and log1["finite"]
-           and on_device)
-    resumed = re.search(r"resumed from \S+ at step (\d+)", second.stdout)
-    at = int(resumed.group(1)) if resumed else None
-    ok2 = second.returncode == 0 and at == 10 and log2["steps"] == [12] and log2["finite"]
-    for ok, what, proc in ((ok1, "first run", first), (ok2, "resumed run", second)):
-        if not ok:
-            show_failure(f"launcher {what}", proc)
-    return [Row(f"launcher ({backend}): 10 steps, dropout, eval",
-                f"exit {first.returncode}, logged steps {log1['steps']}, eval at {log1['evals']}, finite loss "
-                f"{log1['finite']}, mesh on {device}: {on_device}", "exit 0, steps [5, 10], eval at [5, 10]",
-                verdict(ok1)),
-            Row(f"launcher ({backend}): resume to 12 steps",
-                f"exit {second.returncode}, resumed at step {at}, logged steps {log2['steps']}",
-                "exit 0, resumed at 10, steps [12]", verdict(ok2))]
-
-
 def check_tp(device: str, shapes: Shapes, tp: int) -> list[Row]:
     """Check 6: check 1 on ``tp`` torchrun ranks with sequence parallelism (``--tp-worker``)."""
     with tempfile.TemporaryDirectory(prefix="seqpar-validate-tp-") as d:
@@ -497,14 +328,24 @@ def run_checks(device: str, tp: int, only: tuple[str, ...]) -> list[Row]:
     shapes = Shapes.for_device(device)
     checks = {"correctness": lambda: check_correctness(device, shapes), "rng": lambda: check_rng(device, shapes),
               "memory": lambda: check_memory(device, shapes), "throughput": lambda: check_throughput(device, shapes),
-              "launcher": lambda: check_launcher(device, shapes), "tp": lambda: check_tp(device, shapes, tp)}
+              "launcher": lambda: check_launcher(device, shapes.timeout_s), "tp": lambda: check_tp(device, shapes, tp),
+              "multirank": lambda: gpu_multirank.check_multirank(device, Path(__file__).resolve(), shapes.timeout_s)}
+    runs = {"sdpa": gpu_runs.check_sdpa_replay, "resume": gpu_runs.check_resume,
+            "precision": gpu_runs.check_bf16_autocast, "syncs": gpu_runs.check_host_syncs,
+            "lines": gpu_runs.check_memory_lines, "async": gpu_runs.check_async_save}
     rows = []
     for name in only:
         if name == "tp" and tp < 2:
             continue
+        if device == "cuda":
+            print(f"[{name}: planned ~{PLANNED_S[name]} s on an H200]", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         try:
-            rows += checks[name]()
+            if name in runs:
+                with tempfile.TemporaryDirectory(prefix=f"seqpar-validate-{name}-") as d:
+                    rows += runs[name](device, Path(d))
+            else:
+                rows += checks[name]()
         except Exception as e:  # noqa: BLE001 - reported as a FAIL row, the other checks still run
             import traceback
             traceback.print_exc()
@@ -519,18 +360,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1, help="also run the correctness check at t=N with SP on N ranks")
     p.add_argument("--checks", default=",".join(CHECKS), help=f"comma-separated subset of {','.join(CHECKS)}")
     p.add_argument("--tp-worker", metavar="OUT", help=argparse.SUPPRESS)
+    p.add_argument("--multirank-worker", metavar="OUT", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_validate: no CUDA device visible; use --device cpu for the smoke run", file=sys.stderr)
         return 2
     if args.tp_worker:
         return tp_worker(args.tp_worker, args.device)
+    if args.multirank_worker:
+        return gpu_multirank.worker(args.multirank_worker, args.device)
     only = tuple(c.strip() for c in args.checks.split(",") if c.strip())
     unknown = [c for c in only if c not in CHECKS]
     if unknown or args.tp < 1:
         p.error(f"unknown checks {unknown} (choose from {CHECKS})" if unknown else f"--tp must be >= 1, got {args.tp}")
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU (smoke mode, tiny shapes)"
     print(f"seqpar GPU validation on {name}, torch {torch.__version__}", flush=True)
+    if args.device == "cuda":
+        planned = sum(PLANNED_S[c] for c in only if c != "tp" or args.tp > 1)
+        print(f"planned: ~{planned} s on an H200 ({', '.join(f'{c} {PLANNED_S[c]} s' for c in only)})", flush=True)
     t0 = time.perf_counter()
     rows = run_checks(args.device, args.tp, only)
     failed = [r for r in rows if r.result == "FAIL"]

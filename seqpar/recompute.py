@@ -12,12 +12,20 @@
 and replays them for the recomputation, so the recomputed dropout masks are the ones the
 forward pass used. It keeps its tensor inputs through ``save_for_backward`` (visible to
 ``saved_tensors_hooks``, so the memory ledger sees exactly what recomputation keeps).
+
+The same RNG state gives the same mask only from the same kernel: PyTorch picks a
+``scaled_dot_product_attention`` kernel partly from whether grad is on (on sm86/89/120 flash is
+refused for training with head_dim > 192), and a checkpoint's first pass runs without grad while
+its replay runs with it. :func:`replayable_sdpa` picks the kernel the grad-on pass would, for
+both passes.
 """
 from __future__ import annotations
 
 from typing import Callable, Literal, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .distributed.rng import RNGStreams, capture_rng, replay_rng
 
@@ -60,6 +68,32 @@ def checkpoint(run_fn: Callable, *args, streams: RNGStreams | None = None):
     if not torch.is_grad_enabled() or not any(torch.is_tensor(a) and a.requires_grad for a in args):
         return run_fn(*args)
     return _Checkpoint.apply(run_fn, streams, *args)
+
+
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
+                 is_causal: bool = False, enable_gqa: bool = False) -> SDPBackend:
+    """The kernel ``scaled_dot_product_attention`` runs for these inputs when grad is on (as in a
+    recomputation's replay, and in a plain training forward). Grad only ever rules kernels out, so
+    this one also runs in a no-grad first pass. Respects an enclosing ``sdpa_kernel`` choice."""
+    dev = q.device.type
+    with torch.enable_grad():
+        if torch.is_autocast_enabled(dev) and q.dtype != torch.get_autocast_dtype(dev):
+            # the kernel sees autocast's copies: choose for those (a transient copy, autocast makes it anyway)
+            q, k, v = (x.to(torch.get_autocast_dtype(dev)) for x in (q, k, v))
+        choice = torch._fused_sdp_choice(q, k, v, None, dropout_p, is_causal, enable_gqa=enable_gqa)
+    return SDPBackend(choice)
+
+
+def replayable_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float = 0.0,
+                    is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` pinned to :func:`sdpa_backend`'s kernel, so a checkpoint's
+    no-grad first pass and its grad-on replay run the same kernel and draw the same dropout mask.
+    ``[b, heads, s, d]`` in and out. Under ``torch.compile`` the kernel is fixed at trace time."""
+    kw = {"enable_gqa": True} if enable_gqa else {}
+    if torch.compiler.is_compiling() or not hasattr(torch, "_fused_sdp_choice"):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, **kw)
+    with sdpa_kernel([sdpa_backend(q, k, v, dropout_p, is_causal, enable_gqa)]):
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, **kw)
 
 
 def full_recompute_plan(layers: int, method: Literal["uniform", "block"], num_layers: int) -> list[tuple[int, int, bool]]:

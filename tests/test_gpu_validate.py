@@ -38,6 +38,12 @@ def test_cpu_smoke_run_lists_every_check_with_pass():
     asserted += [f"memory {mode}: ledger per layer" for mode in ("none", "selective", "full")]
     asserted += ["throughput activation bytes (ledger) none > selective > full",
                  "launcher (gloo): 10 steps", "launcher (gloo): resume to 12 steps"]
+    asserted += [f"sdpa attention dropout {p} under selective recompute" for p in (0.1, 0.125)]
+    asserted += ["resume at 10 (dropout 0.1): steps 11-12 vs uninterrupted", "bf16-autocast vs fp32",
+                 "trainer prints its activation and state lines"]
+    asserted += [f"2 ranks (gloo): {case} vs t=1" for case in ("t=2 SP", "dp=2 DDP", "dp=2 FSDP2", "pp=2")]
+    asserted += [f"2 ranks (gloo): t=2 SP dropout 0.1, recompute {m} vs none" for m in ("selective", "full")]
+    asserted += ["2 ranks (gloo): SP dropout streams per TP rank"]
     for prefix in asserted:
         assert _results(table, prefix) == ["PASS"], (prefix, table)
     # what only a GPU measures is listed, and said to be skipped or shown unasserted
@@ -45,7 +51,27 @@ def test_cpu_smoke_run_lists_every_check_with_pass():
         assert _results(table, f"memory {mode}: memory_allocated") == ["SKIP"], table
         assert table[f"throughput {mode}"] == "INFO", table
     assert _results(table, "throughput selective / none (tiny CPU run") == ["INFO"], table
+    for gpu_only in ("resume a CUDA checkpoint on the CPU", "host syncs in a non-logging step",
+                     "trainer memory line per logging step", "pp=2 step time, chunk timing off / on"):
+        assert table[gpu_only] == "SKIP", (gpu_only, table)
+    assert _results(table, "async save() returns / sync save (tiny CPU model") == ["INFO"], table
     assert "FAIL" not in table.values()
+
+
+def test_host_staged_p2p_passes_cpu_tensors_through_and_restores_torch():
+    """The pipeline's send/recv staging (gloo has no CUDA send/recv) is a no-op for CPU tensors and
+    leaves torch.distributed as it found it."""
+    import torch.distributed as dist
+    _script()
+    import gpu_multirank
+    before = (dist.isend, dist.irecv, dist.distributed_c10d.isend, dist.distributed_c10d.irecv)
+    with gpu_multirank.host_staged_p2p():
+        assert dist.isend is dist.distributed_c10d.isend is not before[0]
+    assert (dist.isend, dist.irecv, dist.distributed_c10d.isend, dist.distributed_c10d.irecv) == before
+    import torch
+    host, target = torch.arange(4.0), torch.zeros(4)
+    staged = gpu_multirank._Staged(None, host, target)  # a received buffer lands in its tensor on wait()
+    assert staged.wait() and torch.equal(target, host)
 
 
 def test_tp_check_runs_on_two_gloo_ranks():

@@ -148,9 +148,39 @@ def _rank_device(backend: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def _explicit_device(device: str | torch.device, backend: str) -> torch.device:
+    """``init_parallel(device=...)``: this rank's device as given. A CUDA device is made current
+    (and CUDA initialised) first, so DeviceMesh keeps it instead of picking ``cuda:LOCAL_RANK``."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"init_parallel(device={str(device)!r}) needs CUDA, but no GPU is visible to this process")
+        device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        torch.cuda.set_device(device)
+        torch.cuda.init()
+    elif backend == "nccl":
+        raise ValueError(f"init_parallel(device={str(device)!r}) with backend {backend!r}: NCCL needs CUDA devices")
+    return device
+
+
+def _init_default_group(backend: str, device: torch.device, world_size: int, rank: int | None,
+                        init_method: str | None, timeout: timedelta) -> None:
+    """The default process group: torchrun's store (scoped by restart), or ``init_method``."""
+    kwargs: dict = dict(backend=backend, timeout=timeout)
+    if init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        kwargs.update(_restart_scoped_store(world_size, timeout))
+    elif init_method is not None:
+        kwargs.update(init_method=init_method, rank=rank if rank is not None else int(os.environ.get("RANK", "0")),
+                      world_size=world_size)
+    if device.type == "cuda" and "nccl" in backend:
+        kwargs["device_id"] = device
+    dist.init_process_group(**kwargs)
+
+
 def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, rank: int | None = None,
                   world_size: int | None = None, init_method: str | None = None,
-                  backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT) -> ParallelMesh:
+                  backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT,
+                  device: str | torch.device | None = None) -> ParallelMesh:
     """Initialise (if needed) the default process group and build the ``pp x dp x tp`` mesh.
 
     Under torchrun, ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` come from the environment.
@@ -160,6 +190,12 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, rank: int 
     (CUDA tensors over NCCL; small host-side scalars still work over gloo), else gloo; an
     already-initialised group keeps its backend (a gloo group on a GPU machine stays on CPU).
     ``timeout`` bounds every collective, so a dead peer fails the job instead of hanging it.
+
+    ``device`` overrides the rank's device. ``backend="gloo", device="cuda:0"`` puts every rank
+    on one GPU, which NCCL refuses: gloo carries CUDA tensors through host memory for the
+    collectives it supports (all-reduce, all-gather, all-to-all, broadcast; its reduce-scatter is
+    an all-reduce) but not for send/recv. Slow; it exists so that one GPU can run the multi-rank
+    paths (scripts/gpu_validate.py), not for training.
     """
     launched = dist.is_initialized() or "WORLD_SIZE" in os.environ or world_size is not None
     if world_size is None:
@@ -171,21 +207,13 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, rank: int 
                          f"--nproc-per-node N`)")
     dp = validate_layout(tp, dp, world_size, pp)
     backend = _choose_backend(backend)
-    device = _rank_device(backend)
+    device = _rank_device(backend) if device is None else _explicit_device(device, backend)
 
     if world_size == 1 and not dist.is_initialized() and init_method is None and "MASTER_ADDR" not in os.environ:
         return ParallelMesh.single(device)
 
     if not dist.is_initialized():
-        kwargs: dict = dict(backend=backend, timeout=timeout)
-        if init_method is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            kwargs.update(_restart_scoped_store(world_size, timeout))
-        elif init_method is not None:
-            kwargs.update(init_method=init_method, rank=rank if rank is not None else int(os.environ.get("RANK", "0")),
-                          world_size=world_size)
-        if device.type == "cuda":
-            kwargs["device_id"] = device
-        dist.init_process_group(**kwargs)
+        _init_default_group(backend, device, world_size, rank, init_method, timeout)
 
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -9,15 +9,26 @@ Two named streams live in an :class:`RNGStreams` object owned by the model (no g
 
 ``fork(name)`` swaps the stream's state into the device's default generator for the
 duration of a block, so plain ``torch`` dropout ops draw from it.
+
+A CPU generator's state (5,056 bytes of Mersenne twister) means nothing to a CUDA generator
+(Philox seed and offset) and the other way round, so :meth:`RNGStreams.get_state` records the
+device type. Restoring states of another device type (a run checkpointed on GPUs, resumed on a
+CPU) reseeds each stream from a hash of its saved state, with one warning: deterministic (the
+same checkpoint resumes to the same masks), replicated streams stay identical across TP ranks
+and per-rank streams stay distinct, but the masks are not the ones the uninterrupted run would
+have drawn, which no generator of the other device type could reproduce.
 """
 from __future__ import annotations
 
+import hashlib
+import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
 import torch
 
 TP_SEED_OFFSET = 2718
+DEVICE_KEY = "device_type"  # entry of RNGStreams.get_state() naming the generators' device type
 
 
 def _get_device_state(device: torch.device) -> torch.Tensor:
@@ -29,6 +40,21 @@ def _set_device_state(device: torch.device, state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
+
+
+def _state_device_type(states: dict) -> str:
+    """The device type recorded with ``states``; for states saved before it was recorded, the CPU
+    when the first state has the CPU generator's size, else CUDA."""
+    if DEVICE_KEY in states:
+        return str(states[DEVICE_KEY])
+    first = next(v for k, v in states.items() if k != DEVICE_KEY)
+    return "cpu" if first.numel() == torch.get_rng_state().numel() else "cuda"
+
+
+def _seed_from_state(state: torch.Tensor) -> int:
+    """A 63-bit seed determined by the bytes of a generator state."""
+    digest = hashlib.sha256(state.detach().cpu().contiguous().numpy().tobytes()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def _seeded_state(device: torch.device, seed: int) -> torch.Tensor:
@@ -85,14 +111,26 @@ class RNGStreams:
             self.states[name] = _get_device_state(self.device)
             _set_device_state(self.device, saved)
 
-    def get_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.states.items()}
+    def get_state(self) -> dict:
+        """Each stream's generator state, and under ``"device_type"`` the device type they belong to."""
+        return {**{k: v.clone() for k, v in self.states.items()}, DEVICE_KEY: self.device.type}
 
-    def set_state(self, states: dict[str, torch.Tensor]) -> None:
+    def set_state(self, states: dict) -> None:
+        """Put back :meth:`get_state`'s states. States of another device type reseed the streams
+        deterministically from them (see the module docstring) and warn."""
         missing = set(self.states) - set(states)
         if missing:
             raise ValueError(f"RNG state is missing streams {sorted(missing)}")
-        self._states = {k: v.clone() for k, v in states.items()}
+        saved = _state_device_type(states)
+        names = [k for k in states if k != DEVICE_KEY]
+        if saved == self.device.type:
+            self._states = {k: states[k].clone() for k in names}
+            return
+        warnings.warn(f"dropout RNG streams saved on {saved} are restored on {self.device.type}: a {saved} "
+                      f"generator state does not fit a {self.device.type} generator, so each stream is reseeded "
+                      f"from its saved state (deterministic, but not the masks the run would have drawn on "
+                      f"{saved})", RuntimeWarning, stacklevel=2)
+        self._states = {k: _seeded_state(self.device, _seed_from_state(states[k])) for k in names}
 
 
 def capture_rng(streams: RNGStreams | None = None) -> dict:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..distributed.rng import RNGStreams
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..recompute import checkpoint
+from ..recompute import checkpoint, replayable_sdpa
 from .config import GPTConfig
 from .rope import RopeTables, RotaryEmbedding
 
@@ -60,7 +60,7 @@ class CoreAttention(nn.Module):
                 if r > 1 and not _SDPA_GQA:  # old PyTorch: the kernel needs equal head counts
                     kh, vh = kh.repeat_interleave(r, 1), vh.repeat_interleave(r, 1)
                 gqa = {"enable_gqa": True} if r > 1 and _SDPA_GQA else {}
-                out = F.scaled_dot_product_attention(qh, kh, vh, dropout_p=p, is_causal=True, **gqa)
+                out = replayable_sdpa(qh, kh, vh, dropout_p=p, is_causal=True, **gqa)
                 return out.permute(2, 0, 1, 3).reshape(s, b, a * d)
             # copies, never views of the QKV buffer: a view (b = 1, or one key/value head) would keep
             # the whole buffer alive next to the copies, Q twice

@@ -122,9 +122,10 @@ class GPT(nn.Module):
         self.vocab_start = self.tp_rank * (self.padded_vocab // t)  # first vocabulary row of this rank
         rope = RopeTables(config) if config.position == "rope" else None
 
-        fork = torch.random.fork_rng(devices=[])  # weights come from `seed`, the caller's RNG is untouched
-        with fork:
-            torch.manual_seed(seed)
+        # weights come from `seed` through the CPU generator only (built on the CPU, then moved):
+        # torch.manual_seed would also reseed every CUDA generator, the caller's included
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
             self.wte = VocabParallelEmbedding(self.padded_vocab, h, tp_group=self.tp_group, sequence_parallel=sp,
                                               dtype=dt, init_method=padded_normal_init(v, std))
             self.wpe = None
@@ -134,7 +135,7 @@ class GPT(nn.Module):
             self.drop = Dropout(config.dropout, self.rng, embed_stream)
             self.blocks = nn.ModuleList(self._block(i, seed, build_layers, layer_std, rope)
                                         for i in range(config.layers))
-            torch.manual_seed(layer_seed(seed, config.layers))
+            torch.default_generator.manual_seed(layer_seed(seed, config.layers))
             self.ln_f = make_norm(config.norm, h, config.layernorm_eps, dt)
             self.lm_head = None if config.tie_embeddings else ColumnParallelLinear(
                 h, self.padded_vocab, bias=False, tp_group=self.tp_group, sequence_parallel=sp, dtype=dt,
@@ -152,7 +153,7 @@ class GPT(nn.Module):
         """Layer ``i``, its weights drawn from :func:`layer_seed` (or a placeholder when not built)."""
         if build is not None and i not in build:
             return NotBuilt(i)
-        torch.manual_seed(layer_seed(seed, i))
+        torch.default_generator.manual_seed(layer_seed(seed, i))
         return Block(self.config, self.tp_group, self.rng, layer_std, rope)
 
     def _apply(self, fn, recurse: bool = True):

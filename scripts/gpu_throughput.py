@@ -1,0 +1,82 @@
+"""Check 4 of scripts/gpu_validate.py: step time, MFU and peak memory of a 1.3B-class GPT at
+recompute none / selective / full (``shapes`` is ``gpu_validate.Shapes``)."""
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+
+import torch
+
+from gpu_common import Row, batch, fmt_bytes, sync, verdict
+from seqpar import flops
+from seqpar.distributed import ParallelMesh
+from seqpar.memory import ActivationLedger
+from seqpar.model import GPT, GPTConfig
+from seqpar.train.optim import build_optimizer
+
+
+def time_mode(model: GPT, opt, tokens: torch.Tensor, mode: str, shapes) -> dict:
+    """Median step time (forward, backward, AdamW) and peak memory of ``model`` at recompute ``mode``."""
+    model.set_recompute(mode)
+    dev = tokens.device
+    times = []
+    for i in range(shapes.warmup + shapes.steps):
+        if i == shapes.warmup and dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(dev)
+        sync(dev)
+        t0 = time.perf_counter()
+        loss = model(tokens, tokens)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(dev)
+        if i >= shapes.warmup:
+            times.append(time.perf_counter() - t0)
+    peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None
+    if peak is None:  # on the CPU: the activations one forward keeps, by the ledger
+        with ActivationLedger(model) as ledger:
+            model(tokens, tokens)
+        peak = ledger.total()
+    return {"step_s": statistics.median(times), "peak": peak, "loss": float(loss.detach())}
+
+
+def throughput_rows(res: dict[str, dict], cfg: GPTConfig, b: int, device: str) -> list[Row]:
+    """Rows of check 4: per-mode timing (INFO), the two time ratios and the memory order."""
+    on_gpu = device == "cuda"
+    mf = flops.model_flops(B=b, s=cfg.seq_len, h=cfg.hidden, L=cfg.layers, v=cfg.vocab_size)
+    peak_flops = flops.peak_flops(torch.cuda.get_device_name()) if on_gpu else None
+    mem = "peak memory" if on_gpu else "activation bytes (ledger)"
+    rows = []
+    for mode, r in res.items():
+        mfu = f"MFU {mf / r['step_s'] / peak_flops:.1%}" if peak_flops else "MFU n/a (unknown peak)"
+        rows.append(Row(f"throughput {mode}", f"{r['step_s'] * 1e3:.1f} ms/step, {mf / r['step_s'] / 1e12:.3g} "
+                        f"TFLOP/s, {mfu}, {mem} {fmt_bytes(r['peak'])}", "-", "INFO"))
+    note = "" if on_gpu else " (tiny CPU run: shown, asserted on CUDA only)"
+    sel, full = (res[m]["step_s"] / res["none"]["step_s"] for m in ("selective", "full"))
+    rows.append(Row(f"throughput selective / none{note}", f"{sel:.3f}", "<= 1.22",
+                    verdict(sel <= 1.22) if on_gpu else "INFO"))
+    rows.append(Row(f"throughput full / none{note}", f"{full:.3f}", "in [1.2, 1.45]",
+                    verdict(1.2 <= full <= 1.45) if on_gpu else "INFO"))
+    peaks = [res[m]["peak"] for m in ("none", "selective", "full")]
+    rows.append(Row(f"throughput {mem} none > selective > full",
+                    " > ".join(fmt_bytes(p) for p in peaks), "strictly decreasing",
+                    verdict(peaks[0] > peaks[1] > peaks[2])))
+    return rows
+
+
+def check_throughput(device: str, shapes) -> list[Row]:
+    """Check 4: step time of recompute none / selective / full on one model (bf16 parameters,
+    dropout 0.1, math attention)."""
+    mesh = ParallelMesh.single(device)
+    cfg = GPTConfig(**shapes.big, dropout=0.1, attention_dropout=0.1, recompute="none", sequence_parallel=False,
+                    attention="math", dtype="bfloat16")
+    model = GPT(cfg, mesh, seed=0)
+    opt = build_optimizer(model, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95))
+    tokens = batch(cfg.vocab_size, shapes.big_batch, cfg.seq_len, mesh.device)[0]
+    res = {mode: time_mode(model, opt, tokens, mode, shapes) for mode in ("none", "selective", "full")}
+    del model, opt
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return throughput_rows(res, cfg, shapes.big_batch, device)
