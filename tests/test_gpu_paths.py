@@ -211,6 +211,23 @@ def test_building_a_gpt_reseeds_no_generator(monkeypatch):
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+def test_per_shard_init_reseeds_no_cuda_generator(monkeypatch):
+    """``per_shard_init`` seeds only its shard's generator; torch.manual_seed there reseeded every
+    CUDA device (queued until CUDA initialises when it is not yet)."""
+    from seqpar.layers._init import build_param, default_linear_init
+    from seqpar.sharding import ParamLayout
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", lambda seed: calls.append(("all", seed)))
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: calls.append(("one", seed)))
+    before = torch.get_rng_state()
+    shards = [build_param((8, 4), ParamLayout(split_dim=0), r, 2, default_linear_init, dtype=None, device=None,
+                          per_shard_init=True) for r in range(2)]
+    assert calls == [], calls
+    assert not torch.equal(shards[0], shards[1])  # rank-offset streams
+    assert not torch.equal(torch.get_rng_state(), before)  # the one shared draw of the seed advanced the CPU RNG
+
+
 # ---------------------------------------------------------------- gloo ranks on one GPU (validation)
 def test_gloo_ranks_can_share_one_gpu(monkeypatch):
     """init_parallel(backend="gloo", device="cuda:0"): every rank on the one GPU, the group gloo

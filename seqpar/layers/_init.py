@@ -40,7 +40,9 @@ def build_param(full_shape: tuple[int, ...], layout: ParamLayout, tp_rank: int, 
         seed = int(torch.randint(0, 2**62, (1,)).item()) + tp_rank  # same draw on all ranks, offset by rank
         devices = [local.device] if local.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
+            # only this shard's generator: torch.manual_seed would reseed every CUDA device
+            gen = torch.cuda.default_generators[local.device.index or 0] if devices else torch.default_generator
+            gen.manual_seed(seed)
             init(local)
         return nn.Parameter(local)
     master = torch.empty(full_shape, dtype=dtype)  # on CPU: identical numbers on any device
