@@ -310,3 +310,47 @@ def test_a_full_disk_at_the_marker_or_the_pointer(tmp_path, tiny, monkeypatch, t
     expected = "step_00000020" if target == "latest.tmp" else "step_00000010"
     assert (root / "latest").read_text().strip() == "step_00000010"
     assert latest_checkpoint(root).name == expected and not (root / "latest.tmp").exists()
+
+
+# ---- 4. background saves stage into reused buffers -------------------------------------------------
+
+def test_background_saves_reuse_their_staging_buffers_and_copy_non_blocking(tmp_path, tiny, monkeypatch):
+    from seqpar.checkpoint import save_load
+    from seqpar.checkpoint.pieces import StagingBuffers, training_parts
+    model, opt = tiny
+    parts = training_parts(model, opt)
+    staging = StagingBuffers()
+    requested = []
+    real_copy = torch.Tensor.copy_
+
+    def recording_copy(self, src, non_blocking=False):
+        requested.append(non_blocking)
+        return real_copy(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", recording_copy)
+    first = staging.stage(parts)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    second = staging.stage(training_parts(model, opt))
+    monkeypatch.undo()
+    ptrs = lambda staged: [p.tensor.data_ptr() for dp in staged.values() for p in dp.pieces]  # noqa: E731
+    assert ptrs(first) == ptrs(second) and len(set(ptrs(first))) == len(ptrs(first))
+    assert requested and all(requested), "every staging copy is requested non_blocking"
+    for fqn, dp in training_parts(model, opt).items():
+        for src, staged in zip(dp.pieces, second[fqn].pieces):
+            assert torch.equal(src.tensor, staged.tensor) and staged.tensor.data_ptr() != src.tensor.data_ptr()
+    # two background saves in a row use the same process-wide buffers
+    seen = []
+    real_stage = StagingBuffers.stage
+
+    def recording_stage(self, parts):
+        out = real_stage(self, parts)
+        seen.append((id(self), ptrs(out)))
+        return out
+
+    monkeypatch.setattr(StagingBuffers, "stage", recording_stage)
+    for step in (1, 2):
+        pending = save_checkpoint(tmp_path / "ckpt", step, model, opt, {"tp": 1}, dump(_run()), model.rng, keep=0,
+                                  async_save=True)
+        assert pending.finish().is_dir()
+    assert len(seen) == 2 and seen[0] == seen[1] and seen[0][0] == id(save_load._STAGING)

@@ -64,7 +64,7 @@ from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, Chec
 from .files import (PREFIX, _commit, _fsync, _prune, _seal, checkpoint_problem, complete_checkpoints,
                     latest_checkpoint, open_checkpoint_dir, recorded_checksums)
 from .integrity import agree, checksums, file_checksum, gather_dicts, verify_files
-from .pieces import PartsLoadPlanner, PartsSavePlanner, optimizer_moments, training_parts
+from .pieces import PartsLoadPlanner, PartsSavePlanner, StagingBuffers, optimizer_moments, training_parts
 from .safe_metadata import SafeReader
 from .writer import ChecksumWriter, own_error
 
@@ -147,11 +147,17 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
     _make_tmp(tmp)
     parts = training_parts(model, optimizer)
     state = {"optim_step": torch.tensor(float(step))}
-    writer = ChecksumWriter(tmp)
+    writer, staging = ChecksumWriter(tmp), None
     try:
         if async_save:
-            future = dcp.async_save(state, storage_writer=writer, planner=PartsSavePlanner(parts, copy=True),
-                                    process_group=_async_group())
+            staging = None if _STAGING.busy else _STAGING  # fresh buffers while an earlier save still reads them
+            planner = PartsSavePlanner(parts, copy=True, staging=staging)
+            _STAGING.busy = _STAGING.busy or staging is not None
+            try:
+                future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=_async_group())
+            except BaseException:
+                _STAGING.busy = _STAGING.busy and staging is None
+                raise
         else:
             dcp.save(state, storage_writer=writer, planner=PartsSavePlanner(parts),
                      no_dist=not dist.is_initialized())
@@ -160,6 +166,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
         raise own_error(e) from None
     sums, error = _write_own_files(tmp, step, extra, config_yaml, streams, attachments)
     pending = PendingCheckpoint(root, tmp, final, step, keep, future, writer=writer, sums=sums, error=error)
+    pending.owns_staging = async_save and staging is not None
     return pending if async_save else pending.finish()
 
 
@@ -184,6 +191,7 @@ def _restore(snap: dict, streams) -> None:
 
 
 _ASYNC_GROUP: list = []
+_STAGING = StagingBuffers()  # the background saves' CPU snapshots, allocated once per process
 
 
 def _async_group():
@@ -205,6 +213,7 @@ class PendingCheckpoint:
                  writer: ChecksumWriter | None = None, sums: dict | None = None, error: str | None = None):
         self.root, self.tmp, self.final, self.step, self.keep, self.future = root, tmp, final, step, keep, future
         self.writer, self.sums, self.error = writer, dict(sums or {}), error
+        self.owns_staging = False  # whether finishing frees the reused staging buffers
 
     def _shard_sums(self) -> dict[str, str]:
         """This rank's shard checksums (taken by the writer; read here when it ran elsewhere)."""
@@ -219,6 +228,9 @@ class PendingCheckpoint:
                 future.result()
             except CheckpointException as e:
                 raise own_error(e) from None
+            finally:
+                if self.owns_staging:
+                    _STAGING.busy = False  # the writes are done with the snapshots
         problem = agree(self.error)
         if problem is not None:
             raise CheckpointWriteError(problem)
