@@ -266,6 +266,7 @@ def test_a_full_disk_while_writing_the_rng_file_names_it(tmp_path, tiny, monkeyp
     assert "\n" not in str(raised.value)
     monkeypatch.undo()
     assert latest_checkpoint(root) == good and files.checkpoint_problem(good) is None
+    assert not (root / "step_00000020.tmp").exists(), "the failed save's files are deleted, freeing their space"
 
 
 def test_torch_short_write_on_a_full_disk_names_the_shard(tmp_path, tiny, monkeypatch):

@@ -94,6 +94,12 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+def _discard(tmp: Path) -> None:
+    """Rank 0 deletes the folder of a failed save, giving back the space its files took."""
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _make_tmp(tmp: Path) -> None:
     """Rank 0 makes the empty ``tmp``; every rank raises if it could not (this is their barrier)."""
     problem = None
@@ -163,6 +169,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
                      no_dist=not dist.is_initialized())
             future = None
     except CheckpointException as e:
+        _discard(tmp)
         raise own_error(e) from None
     sums, error = _write_own_files(tmp, step, extra, config_yaml, streams, attachments)
     pending = PendingCheckpoint(root, tmp, final, step, keep, future, writer=writer, sums=sums, error=error)
@@ -227,12 +234,14 @@ class PendingCheckpoint:
             try:
                 future.result()
             except CheckpointException as e:
+                _discard(self.tmp)
                 raise own_error(e) from None
             finally:
                 if self.owns_staging:
                     _STAGING.busy = False  # the writes are done with the snapshots
         problem = agree(self.error)
         if problem is not None:
+            _discard(self.tmp)
             raise CheckpointWriteError(problem)
         sums = gather_dicts({**self._shard_sums(), **self.sums})
         if _rank() == 0:
@@ -242,6 +251,7 @@ class PendingCheckpoint:
                 _prune(self.root, self.final, self.keep)
             except CheckpointError as e:
                 problem = str(e)
+                _discard(self.tmp)  # gone already once the rename happened
         problem = agree(problem)
         if problem is not None:
             raise CheckpointWriteError(problem)
