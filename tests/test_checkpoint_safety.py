@@ -20,7 +20,7 @@ from seqpar.model import GPT, GPTConfig
 from seqpar.checkpoint import save_load as ck
 from seqpar.train.optim import build_optimizer
 
-MARKER = "complete.json"  # the completion marker: {"step": N, "files": {relative path: size in bytes}}
+MARKER = "complete.json"  # the completion marker: {"step": N, "files": {path: bytes}, "crc32": {path: hex}, ...}
 
 
 # ---- building checkpoints ----------------------------------------------------------------------
@@ -259,7 +259,9 @@ def test_the_marker_lists_every_file_with_its_size(tmp_path, tiny):
     folder = _save(tmp_path / "ckpt", 3, model_opt=tiny)
     marker = json.loads((folder / MARKER).read_text())
     on_disk = {p.name: p.stat().st_size for p in folder.iterdir() if p.name != MARKER}
-    assert marker == {"step": 3, "files": on_disk}
+    assert {k: marker[k] for k in ("step", "files")} == {"step": 3, "files": on_disk}
+    from seqpar.checkpoint.integrity import file_checksum
+    assert marker["crc32"] == {name: file_checksum(folder / name) for name in on_disk}
     assert {".metadata", "extra.json", "config.yaml", "rng_rank0.pt"} <= set(on_disk)
 
 

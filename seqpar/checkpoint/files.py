@@ -1,7 +1,9 @@
 """The filesystem side of checkpoints: which folders are complete, sealing one, and one job per dir.
 
 A checkpoint counts only if its ``complete.json`` marker lists every file with its size (written
-last, after fsyncing every file and the folder). The save/load side is :mod:`seqpar.checkpoint.save_load`.
+last, after fsyncing every file and the folder); the marker also records each file's checksum
+(verified on load, :mod:`seqpar.checkpoint.integrity`) and the save's sequence number, which
+decides what a resume picks (``latest`` is advisory). The save/load side is :mod:`seqpar.checkpoint.save_load`.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from .errors import CheckpointWriteError, write_error
+from .integrity import ALGORITHM, file_checksum
 from .safe_metadata import capped_repr
 
 PREFIX = "step_"
@@ -41,8 +45,26 @@ def _step_of(path: Path) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _seal(folder: Path, step: int) -> None:
-    """fsync every file and folder under ``folder``, then write the marker last and fsync it and ``folder``."""
+def _marker(folder: Path) -> dict:
+    """The folder's ``complete.json`` as a dict (``{}`` when absent or unreadable)."""
+    try:
+        marker = json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError):
+        return {}
+    return marker if isinstance(marker, dict) else {}
+
+
+def _sequence(folder: Path) -> int:
+    """The save's place in the dir's order of saves (``-1`` for markers without one)."""
+    seq = _marker(folder).get("sequence")
+    return seq if type(seq) is int else -1
+
+
+def _seal(folder: Path, step: int, sums: dict[str, str] | None = None) -> None:
+    """fsync every file and folder under ``folder``, then write the marker last and fsync it and
+    ``folder``. The marker lists each file's size and checksum (``sums`` holds those the ranks
+    computed; rank 0 checksums the rest) and the save's sequence number, one above every other
+    checkpoint's in the dir: the newest save, whatever its step, is what a resume picks."""
     files: dict[str, int] = {}
     for p in sorted(folder.rglob("*")):
         if p.name != MARKER:
@@ -50,10 +72,16 @@ def _seal(folder: Path, step: int) -> None:
             if p.is_file():
                 files[p.relative_to(folder).as_posix()] = p.stat().st_size
     _fsync(folder)
-    with open(folder / MARKER, "w") as f:
-        json.dump({"step": step, "files": files}, f)
-        f.flush()
-        os.fsync(f.fileno())
+    crcs = {name: (sums or {}).get(name) or file_checksum(folder / name) for name in files}
+    sequence = 1 + max([_sequence(p) for p in _step_folders(folder.parent)] + [-1])
+    path = folder / MARKER
+    try:
+        with open(path, "w") as f:
+            json.dump({"step": step, "files": files, ALGORITHM: crcs, "sequence": sequence}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise write_error(e, path) from None
     _fsync(folder)
 
 
@@ -70,6 +98,9 @@ def checkpoint_problem(folder: str | Path) -> str | None:
     files = marker.get("files") if isinstance(marker, dict) else None
     if not isinstance(files, dict) or not {".metadata", "extra.json"} <= set(files):
         return f"{MARKER} does not list the checkpoint's files"
+    crcs = marker.get(ALGORITHM, {})
+    if not isinstance(crcs, dict) or (crcs and set(crcs) != set(files)):
+        return f"{MARKER} does not list a checksum for each file"
     if _step_of(folder) is not None and marker.get("step") != _step_of(folder):
         return f"{MARKER} is for step {capped_repr(marker.get('step'))}"
     for name, size in files.items():
@@ -103,19 +134,37 @@ def complete_checkpoints(root: str | Path) -> list[Path]:
     return [p for p in reversed(_step_folders(Path(root))) if checkpoint_problem(p) is None]
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The checkpoint to resume from: the one ``latest`` names when complete, else the highest-numbered
-    complete one; warns naming each incomplete checkpoint it skipped. ``None`` when there is none."""
+def recorded_checksums(folder: str | Path) -> dict[str, str]:
+    """``{file: checksum}`` the marker records (``{}`` for checkpoints written without them)."""
+    crcs = _marker(Path(folder)).get(ALGORITHM)
+    return crcs if isinstance(crcs, dict) else {}
+
+
+def resume_order(root: str | Path) -> tuple[list[Path], list[str]]:
+    """Complete checkpoints under ``root``, the one to resume from first: newest save first (the
+    marker's sequence number), so neither a stale ``latest`` nor an older run's higher steps in the
+    same dir win; among checkpoints written without a sequence, the one ``latest`` names, then the
+    highest step. Also returns why each incomplete checkpoint ahead of the first complete one (or
+    of a higher step) was skipped."""
     root = Path(root)
     named = _pointer(root)
-    skipped: list[str] = []
-    chosen = None
-    for p in sorted(_step_folders(root), key=lambda p: p.name != named):  # stable: then by step, highest first
+    folders = sorted(_step_folders(root), key=lambda p: (_sequence(p), p.name == named, _step_of(p)), reverse=True)
+    complete, skipped = [], []
+    for p in folders:
         problem = checkpoint_problem(p)
         if problem is None:
-            chosen = p
-            break
-        skipped.append(f"checkpoint {p} is incomplete ({problem})")
+            complete.append(p)
+        elif not complete or _step_of(p) > _step_of(complete[0]):  # one a resume would have wanted
+            skipped.append(f"checkpoint {p} is incomplete ({problem})")
+    return complete, skipped
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The checkpoint to resume from (the first of :func:`resume_order`); warns naming each
+    incomplete checkpoint it skipped. ``None`` when there is none. ``latest`` is advisory (for
+    people and tools): a save that could not rewrite it is still the one resumed."""
+    complete, skipped = resume_order(root)
+    chosen = complete[0] if complete else None
     for why in skipped:
         warnings.warn(f"{why} and was skipped; using {chosen or 'no checkpoint'}", stacklevel=2)
     return chosen
@@ -124,13 +173,19 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 # ---- committing ----------------------------------------------------------------------------
 
 def _write_pointer(root: Path, name: str) -> None:
-    """Replace ``latest`` atomically (and durably) with ``name``."""
+    """Replace ``latest`` atomically (and durably) with ``name``. On failure (a full disk) no
+    ``latest.tmp`` is left; ``latest`` is advisory, so the new checkpoint is still the one resumed."""
     pointer = root / "latest.tmp"
-    with open(pointer, "w") as f:
-        f.write(name + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(pointer, root / "latest")
+    try:
+        with open(pointer, "w") as f:
+            f.write(name + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(pointer, root / "latest")
+    except OSError as e:
+        pointer.unlink(missing_ok=True)
+        error = write_error(e, pointer)
+        raise CheckpointWriteError(f"{error}; {root / name} is complete and is what a resume picks") from None
     _fsync(root)
 
 
@@ -148,14 +203,12 @@ def _commit(root: Path, tmp: Path, final: Path) -> None:
 
 
 def _prune(root: Path, final: Path, keep: int) -> None:
-    """Keep ``keep`` checkpoints: ``final``, the one ``latest`` names, then the highest-numbered
-    complete others (steps as integers). ``keep <= 0`` keeps everything."""
+    """Keep ``keep`` checkpoints: ``final`` and the next ones in :func:`resume_order` (the newest
+    saves). ``keep <= 0`` keeps everything."""
     if keep <= 0:
         return
-    protected = {final.name, _pointer(root)}
-    room = max(keep - sum((root / n).is_dir() for n in protected if n), 0)
-    others = [p for p in reversed(complete_checkpoints(root)) if p.name not in protected]
-    for old in others[room:]:
+    others = [p for p in resume_order(root)[0] if p.name != final.name]
+    for old in others[max(keep - 1, 0):]:
         shutil.rmtree(old, ignore_errors=True)
 
 

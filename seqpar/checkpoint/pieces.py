@@ -146,15 +146,45 @@ def training_parts(modules: nn.Module | list[nn.Module], optimizer: torch.optim.
     return parts
 
 
+class StagingBuffers:
+    """CPU snapshots of a rank's pieces for background saves: each buffer is allocated on the
+    first save (pinned when CUDA is available) and reused by every later one, and filled with
+    non-blocking copies followed by one synchronize, so the main thread waits once per save for
+    the copies alone. ``busy`` while a save still reads them (set and cleared by the caller)."""
+
+    def __init__(self):
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self.busy = False
+
+    def stage(self, parts: dict[str, DenseParts]) -> dict[str, DenseParts]:
+        """``parts`` with every piece replaced by its CPU buffer, holding the piece's values."""
+        pin, on_device, out = torch.cuda.is_available(), False, {}
+        for fqn, dp in parts.items():
+            pieces = []
+            for p in dp.pieces:
+                src = p.tensor.detach()
+                buf = self._buffers.get((fqn, p.offsets))
+                if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
+                    buf = torch.empty(src.shape, dtype=src.dtype, pin_memory=pin)
+                    self._buffers[(fqn, p.offsets)] = buf
+                buf.copy_(src, non_blocking=True)
+                on_device |= src.device.type == "cuda"
+                pieces.append(Piece(p.offsets, buf))
+            out[fqn] = DenseParts(dp.size, pieces)
+        if on_device:
+            torch.cuda.synchronize()  # the one sync point: every copy has landed before the writes start
+        return out
+
+
 class PartsSavePlanner(DefaultSavePlanner):
     """DCP's default planner for the plain entries, plus one chunk per :class:`Piece` of ``parts``.
-    ``copy``: snapshot the pieces into CPU memory now (for a background save while training goes on)."""
+    ``copy``: snapshot the pieces into CPU memory now (for a background save while training goes
+    on), into ``staging``'s reused buffers when given, else into fresh ones."""
 
-    def __init__(self, parts: dict[str, DenseParts], *, copy: bool = False):
+    def __init__(self, parts: dict[str, DenseParts], *, copy: bool = False, staging: StagingBuffers | None = None):
         super().__init__()
         if copy:
-            parts = {fqn: DenseParts(dp.size, [Piece(p.offsets, p.tensor.detach().to("cpu", copy=True))
-                                               for p in dp.pieces]) for fqn, dp in parts.items()}
+            parts = (staging or StagingBuffers()).stage(parts)
         self.parts = parts
         self._by_index = {(fqn, p.offsets): p.tensor for fqn, dp in parts.items() for p in dp.pieces}
 
@@ -214,5 +244,5 @@ class PartsLoadPlanner(DefaultLoadPlanner):
         return super().resolve_tensor(read_item)
 
 
-__all__ = ["DenseParts", "MOMENTS", "PartsLoadPlanner", "PartsSavePlanner", "Piece", "dense_pieces",
+__all__ = ["DenseParts", "MOMENTS", "PartsLoadPlanner", "PartsSavePlanner", "Piece", "StagingBuffers", "dense_pieces",
            "model_parts", "optimizer_moments", "training_parts"]

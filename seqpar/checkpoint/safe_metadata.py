@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesSt
                                                    TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadItemType
 
+from .errors import CheckpointCorrupt, CheckpointError, UnsafeCheckpoint
+
 
 def capped_repr(value: Any, limit: int = 120) -> str:
     """``repr(value)``, cut to ``limit`` characters for error messages."""
@@ -38,7 +40,7 @@ def _cap(text: str, limit: int = 200) -> str:
 def _strided_layout(name: str) -> torch.layout:
     """Stands in for ``torch.serialization._get_layout``: the strided layout and nothing else."""
     if name != "torch.strided":
-        raise pickle.UnpicklingError(f"checkpoint metadata names layout {capped_repr(name)}; only torch.strided "
+        raise UnsafeCheckpoint(f"checkpoint metadata names layout {capped_repr(name)}; only torch.strided "
                                      f"is allowed")
     return torch.strided
 
@@ -65,13 +67,13 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler, whose BUIL
     def find_class(self, module: str, name: str) -> Any:
         found = _GLOBALS.get((module, name))
         if found is None:
-            raise pickle.UnpicklingError(f"checkpoint metadata refers to {_cap(f'{module}.{name}')}, "
+            raise UnsafeCheckpoint(f"checkpoint metadata refers to {_cap(f'{module}.{name}')}, "
                                          f"which is not allowed (only DCP's metadata classes, torch.Size and dtypes)")
         return found
 
     def _load_build(self) -> None:
         if len(self.stack) >= 2 and isinstance(self.stack[-2], type):
-            raise pickle.UnpicklingError(f"checkpoint metadata sets attributes of the class "
+            raise UnsafeCheckpoint(f"checkpoint metadata sets attributes of the class "
                                          f"{self.stack[-2].__name__}, which is not allowed")
         pickle._Unpickler.load_build(self)
 
@@ -127,9 +129,17 @@ class SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
-        with open(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        check_metadata(metadata, self.path)
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except CheckpointError:
+            raise
+        except Exception as e:  # a damaged pickle fails in many ways; none runs code (find_class above)
+            raise CheckpointCorrupt(f"checkpoint {path} is unreadable ({type(e).__name__})") from None
+        try:
+            check_metadata(metadata, self.path)
+        except ValueError as e:
+            raise CheckpointCorrupt(str(e)) from None
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

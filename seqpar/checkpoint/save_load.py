@@ -20,9 +20,12 @@ Complete or skipped. All files go to ``step_N.tmp``; each rank fsyncs what it wr
 every file, writes the marker last, fsyncs it and the folder, renames the folder to ``step_N`` (an
 existing ``step_N`` is renamed to ``step_N.old`` first and deleted only once the new one is in) and
 replaces ``latest`` atomically. A checkpoint counts only if every file the marker lists has the
-listed size; :func:`latest_checkpoint` takes the one ``latest`` names, else the highest-numbered
-complete one, warning about each one it skips. keep-N keeps the checkpoint just written, the one
-``latest`` names and the highest-numbered complete others (steps compared as integers).
+listed size and checksum (:mod:`seqpar.checkpoint.integrity`); :func:`latest_checkpoint` takes the
+newest save (the marker's sequence number; ``latest`` is advisory), warning about each incomplete
+one it skips; :func:`~seqpar.checkpoint.resume.resume_latest` also falls back past one whose files
+fail their checksums. keep-N keeps the checkpoint just written and the next newest saves. A file
+that cannot be written (a full disk) fails the save on every rank in one line naming it
+(:class:`~seqpar.checkpoint.errors.CheckpointWriteError`); the previous checkpoints stay.
 
 One job per dir. :func:`open_checkpoint_dir` (every rank, at start-up) has global rank 0 hold an
 exclusive ``fcntl.flock`` on ``<dir>/.lock`` for the job's lifetime, delete ``*.tmp`` folders of
@@ -39,8 +42,9 @@ storage paths confined to the folder); tensor data and RNG files are read with
 ``torch.load(weights_only=True)``, ``extra.json`` as JSON, ``config.yaml`` (by ``seqpar
 generate``) with the safe YAML loader, ``tokenizer.json`` by ``tokenizers``. Trusted: the installed
 Python, torch and seqpar code. Not vouched for: the values (weights, data position, config,
-tokenizer), which a crafted checkpoint may set to anything; ``complete.json`` detects torn writes,
-not tampering.
+tokenizer), which a crafted checkpoint may set to anything; ``complete.json``'s sizes and CRC-32s
+detect torn writes and damaged bytes, not tampering. A file that cannot be read or parsed raises
+:class:`~seqpar.checkpoint.errors.CheckpointCorrupt` naming it.
 """
 from __future__ import annotations
 
@@ -52,34 +56,88 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..distributed.rng import RNGStreams, capture_rng, restore_rng
+from .compat import check_compatible
+from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointWriteError, write_error
 from .files import (PREFIX, _commit, _fsync, _prune, _seal, checkpoint_problem, complete_checkpoints,
-                               latest_checkpoint, open_checkpoint_dir)
+                    latest_checkpoint, open_checkpoint_dir, recorded_checksums)
+from .integrity import agree, checksums, file_checksum, gather_dicts, verify_files
+from .pieces import PartsLoadPlanner, PartsSavePlanner, StagingBuffers, optimizer_moments, training_parts
 from .safe_metadata import SafeReader
-from .pieces import PartsLoadPlanner, PartsSavePlanner, optimizer_moments, training_parts
+from .writer import ChecksumWriter, own_error
 
-def _require_complete(path: Path) -> dict:
-    """``extra.json`` of a complete checkpoint; ``ValueError`` naming the folder otherwise."""
+
+def _open(path: Path, verify: bool) -> dict:
+    """``extra.json`` of a complete checkpoint whose files (with ``verify``) match their checksums;
+    :class:`CheckpointCorrupt` naming the folder or file otherwise. Every rank gets the same answer."""
     problem = checkpoint_problem(path)
     if problem is not None:
-        raise ValueError(f"checkpoint {path} is incomplete: {problem}")
+        raise CheckpointCorrupt(f"checkpoint {path} is incomplete: {problem}")
+    if verify:
+        problem = verify_files(path, recorded_checksums(path), shared=dist.is_initialized())
+        if problem is not None:
+            raise CheckpointCorrupt(f"checkpoint {problem}")
     try:
-        return json.loads((path / "extra.json").read_text())
-    except ValueError as e:
-        raise ValueError(f"checkpoint {path}: extra.json is not JSON ({e})") from None
+        extra = json.loads((path / "extra.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointCorrupt(f"checkpoint {path / 'extra.json'} is unreadable ({type(e).__name__})") from None
+    if not isinstance(extra, dict):
+        raise CheckpointCorrupt(f"checkpoint {path / 'extra.json'} does not hold a mapping")
+    return extra
 
 
 # ---- saving ------------------------------------------------------------------------------------
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _discard(tmp: Path) -> None:
+    """Rank 0 deletes the folder of a failed save, giving back the space its files took."""
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _make_tmp(tmp: Path) -> None:
+    """Rank 0 makes the empty ``tmp``; every rank raises if it could not (this is their barrier)."""
+    problem = None
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            problem = str(write_error(e, tmp))
+    problem = agree(problem)
+    if problem is not None:
+        raise CheckpointWriteError(problem)
+
+
+def _write_own_files(tmp: Path, step: int, extra: dict, config_yaml: str, streams,
+                     attachments: dict[str, Path] | None) -> tuple[dict[str, str], str | None]:
+    """This rank's RNG file (rank 0 also config.yaml, the attachments, extra.json): their
+    checksums, and the one-line error of a write that failed (reported at ``finish``)."""
+    current = tmp / f"rng_rank{_rank()}.pt"
+    try:
+        torch.save(_capture(streams), current)
+        _fsync(current)  # on a shared filesystem only the writing node can make its file durable
+        sums = {current.name: file_checksum(current)}
+        if _rank() == 0:
+            current = tmp / "config.yaml"
+            current.write_text(config_yaml)
+            for name, src in (attachments or {}).items():
+                current = tmp / name
+                shutil.copyfile(src, current)
+            current = tmp / "extra.json"
+            current.write_text(json.dumps({"step": step, "world_size": dist.get_world_size()
+                                           if dist.is_initialized() else 1, **extra}, indent=1))
+    except (OSError, RuntimeError) as e:
+        error = write_error(e, current)
+        if error is None:
+            raise
+        return {}, str(error)
+    return sums, None
 
 
 def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, config_yaml: str,
@@ -87,33 +145,35 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
                     *, async_save: bool = False):
     """Write checkpoint ``step`` atomically and durably; call on every rank. ``attachments`` (name ->
     file) are copied in by rank 0 (e.g. the tokenizer). Returns the final folder, or with
-    ``async_save`` a :class:`PendingCheckpoint` whose ``finish()`` returns it."""
+    ``async_save`` a :class:`PendingCheckpoint` whose ``finish()`` returns it. A file that cannot
+    be written raises :class:`CheckpointWriteError` on every rank, naming it."""
     root = Path(root)
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f"{final.name}.tmp"
-    if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
+    _make_tmp(tmp)
     parts = training_parts(model, optimizer)
     state = {"optim_step": torch.tensor(float(step))}
-    writer = FileSystemWriter(tmp, sync_files=True)
-    if async_save:
-        future = dcp.async_save(state, storage_writer=writer, planner=PartsSavePlanner(parts, copy=True),
-                                process_group=_async_group())
-    else:
-        dcp.save(state, storage_writer=writer, planner=PartsSavePlanner(parts), no_dist=not dist.is_initialized())
-        future = None
-    rng_file = tmp / f"rng_rank{_rank()}.pt"
-    torch.save(_capture(streams), rng_file)
-    _fsync(rng_file)  # on a shared filesystem only the writing node can make its file durable
-    if _rank() == 0:
-        (tmp / "config.yaml").write_text(config_yaml)
-        for name, src in (attachments or {}).items():
-            shutil.copyfile(src, tmp / name)
-        (tmp / "extra.json").write_text(json.dumps({"step": step, "world_size": dist.get_world_size()
-                                                    if dist.is_initialized() else 1, **extra}, indent=1))
-    pending = PendingCheckpoint(root, tmp, final, step, keep, future)
+    writer, staging = ChecksumWriter(tmp), None
+    try:
+        if async_save:
+            staging = None if _STAGING.busy else _STAGING  # fresh buffers while an earlier save still reads them
+            planner = PartsSavePlanner(parts, copy=True, staging=staging)
+            _STAGING.busy = _STAGING.busy or staging is not None
+            try:
+                future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=_async_group())
+            except BaseException:
+                _STAGING.busy = _STAGING.busy and staging is None
+                raise
+        else:
+            dcp.save(state, storage_writer=writer, planner=PartsSavePlanner(parts),
+                     no_dist=not dist.is_initialized())
+            future = None
+    except CheckpointException as e:
+        _discard(tmp)
+        raise own_error(e) from None
+    sums, error = _write_own_files(tmp, step, extra, config_yaml, streams, attachments)
+    pending = PendingCheckpoint(root, tmp, final, step, keep, future, writer=writer, sums=sums, error=error)
+    pending.owns_staging = async_save and staging is not None
     return pending if async_save else pending.finish()
 
 
@@ -138,6 +198,7 @@ def _restore(snap: dict, streams) -> None:
 
 
 _ASYNC_GROUP: list = []
+_STAGING = StagingBuffers()  # the background saves' CPU snapshots, allocated once per process
 
 
 def _async_group():
@@ -152,21 +213,48 @@ def _async_group():
 
 class PendingCheckpoint:
     """A checkpoint whose files may still be being written; :meth:`finish` (every rank) waits for
-    them, then rank 0 seals, commits and prunes (keep-N), and returns the final folder."""
+    them, gathers every rank's checksums, then rank 0 seals, commits and prunes (keep-N), and
+    returns the final folder. A failed write raises :class:`CheckpointWriteError` on every rank."""
 
-    def __init__(self, root: Path, tmp: Path, final: Path, step: int, keep: int, future=None):
+    def __init__(self, root: Path, tmp: Path, final: Path, step: int, keep: int, future=None, *,
+                 writer: ChecksumWriter | None = None, sums: dict | None = None, error: str | None = None):
         self.root, self.tmp, self.final, self.step, self.keep, self.future = root, tmp, final, step, keep, future
+        self.writer, self.sums, self.error = writer, dict(sums or {}), error
+        self.owns_staging = False  # whether finishing frees the reused staging buffers
+
+    def _shard_sums(self) -> dict[str, str]:
+        """This rank's shard checksums (taken by the writer; read here when it ran elsewhere)."""
+        if self.writer is not None and self.writer.sums:
+            return self.writer.sums
+        return checksums(self.tmp, [p.name for p in self.tmp.glob(f"__{_rank()}_*.distcp")])
 
     def finish(self) -> Path:
         if self.future is not None:
-            self.future.result()
-            self.future = None
-        _barrier()
+            future, self.future = self.future, None
+            try:
+                future.result()
+            except CheckpointException as e:
+                _discard(self.tmp)
+                raise own_error(e) from None
+            finally:
+                if self.owns_staging:
+                    _STAGING.busy = False  # the writes are done with the snapshots
+        problem = agree(self.error)
+        if problem is not None:
+            _discard(self.tmp)
+            raise CheckpointWriteError(problem)
+        sums = gather_dicts({**self._shard_sums(), **self.sums})
         if _rank() == 0:
-            _seal(self.tmp, self.step)
-            _commit(self.root, self.tmp, self.final)
-            _prune(self.root, self.final, self.keep)
-        _barrier()
+            try:
+                _seal(self.tmp, self.step, sums)
+                _commit(self.root, self.tmp, self.final)
+                _prune(self.root, self.final, self.keep)
+            except CheckpointError as e:
+                problem = str(e)
+                _discard(self.tmp)  # gone already once the rename happened
+        problem = agree(problem)
+        if problem is not None:
+            raise CheckpointWriteError(problem)
         return self.final
 
 
@@ -176,50 +264,98 @@ def _dense_like(model) -> dict[str, torch.Tensor]:
     return {k: torch.empty(v.shape, dtype=v.dtype) for k, v in model.dense_state_dict().items()}
 
 
-def _reader(path: Path) -> SafeReader:
+def _reader(path: Path) -> tuple[SafeReader, set[str]]:
     """A reader for ``path`` whose metadata was read and checked here, so a hostile checkpoint fails
-    with its own error on every rank before DCP's collectives."""
+    with its own error on every rank before DCP's collectives; and the saved tensors' names."""
     reader = SafeReader(path)
-    reader.read_metadata()
-    return reader
+    return reader, set(reader.read_metadata().state_dict_metadata)
 
 
-@torch.no_grad()
-@torch.no_grad()
-def load_checkpoint(path: str | Path, model, optimizer, streams) -> dict:
-    """Load a complete checkpoint folder into ``model`` (the GPT, or a list of this rank's pipeline
-    stages) and ``optimizer`` at the current layout (any tp, dp, pp and data_parallel), each rank
-    reading only the pieces of the dense tensors it holds. Restores RNG states (``streams``: one
-    RNGStreams or a list, one per stage) when the layout matches. Returns ``extra.json``'s
-    content. Raises ``ValueError`` for an incomplete checkpoint and for metadata seqpar would not write."""
-    path = Path(path)
-    extra = _require_complete(path)
-    reader = _reader(path)
-    modules = _as_list(model)
-    for module in modules:
-        optimizer_moments(module, optimizer, create=True, step=float(extra.get("step", 0)))
-    state = {"optim_step": torch.tensor(0.0)}
-    dcp.load(state, storage_reader=reader, planner=PartsLoadPlanner(training_parts(modules, optimizer)))
-    for st in optimizer.state.values():
-        st["step"].fill_(float(state["optim_step"]))
+def _refuse_unused(path: Path, saved: set[str], used: set[str]) -> None:
+    """:class:`CheckpointMismatch` naming the saved tensors no rank's model uses (same on every rank)."""
+    unused = sorted(saved - gather_dicts(dict.fromkeys(used)).keys())
+    if unused:
+        more = f" and {len(unused) - 6} more" if len(unused) > 6 else ""
+        raise CheckpointMismatch(f"checkpoint {path} holds tensors this model does not have: "
+                                 f"{', '.join(unused[:6])}{more}; it was saved from another model")
+
+
+def _dcp_load(path: Path, state: dict, **kwargs) -> None:
+    """``dcp.load`` whose failures become one-line errors: a tensor the model needs in another
+    shape or missing (:class:`CheckpointMismatch`), unreadable data (:class:`CheckpointCorrupt`)."""
+    try:
+        dcp.load(state, **kwargs)
+    except CheckpointException as e:
+        exc = next(iter(e.failures.values()))[0] if e.failures else e
+        if isinstance(exc, CheckpointError):
+            raise exc from None
+        if isinstance(exc, ValueError) and "checkpoint" in str(exc):
+            raise CheckpointMismatch(f"checkpoint {path}: {exc}") from None
+        raise CheckpointCorrupt(f"checkpoint {path}: the tensor data is unreadable ({type(exc).__name__}: "
+                                f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
+
+
+def _load_rng(path: Path, extra: dict, modules: list, streams) -> None:
+    """Restore this rank's RNG states when the layout matches the saved one; an unreadable RNG
+    file on any rank raises :class:`CheckpointCorrupt` on every rank, naming it."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rng_file = path / f"rng_rank{_rank()}.pt"
     layout = (modules[0].tp_size, len(modules), getattr(modules[0], "num_stages", 1))
     saved = (extra.get("tp"), extra.get("virtual_stages", 1), extra.get("pp", 1) * extra.get("virtual_stages", 1))
+    problem = None
     if extra.get("world_size") == world and saved == layout and rng_file.is_file():
-        _restore(torch.load(rng_file, weights_only=True), streams)
+        try:
+            _restore(torch.load(rng_file, weights_only=True), streams)
+        except Exception as e:  # any parse failure of a damaged file; nothing in it runs (weights_only)
+            problem = f"checkpoint {rng_file} is unreadable ({type(e).__name__}); it holds RNG states only"
+    problem = agree(problem)
+    if problem is not None:
+        raise CheckpointCorrupt(problem)
+
+
+@torch.no_grad()
+def load_checkpoint(path: str | Path, model, optimizer, streams, *, config=None, data: dict | None = None,
+                    verify: bool = True) -> dict:
+    """Load a complete checkpoint folder into ``model`` (the GPT, or a list of this rank's pipeline
+    stages) and ``optimizer`` at the current layout (any tp, dp, pp and data_parallel), each rank
+    reading only the pieces of the dense tensors it holds. Restores RNG states (``streams``: one
+    RNGStreams or a list, one per stage) when the layout matches. Returns ``extra.json``'s content.
+
+    ``verify``: check every file against its recorded checksum first. ``config`` (the new run's
+    ``RunConfig``) and ``data`` (its :func:`~seqpar.checkpoint.compat.data_identity`): refuse a
+    checkpoint of another model or data (:func:`~seqpar.checkpoint.compat.check_compatible`).
+    Raises :class:`CheckpointCorrupt` for an incomplete, damaged or unreadable checkpoint,
+    :class:`CheckpointMismatch` for another model (saved tensors this model does not use
+    included), both one-line ``ValueError`` s naming the folder or file."""
+    path = Path(path)
+    extra = _open(path, verify)
+    if config is not None:
+        check_compatible(path, config, data, extra)
+    reader, saved = _reader(path)
+    modules = _as_list(model)
+    for module in modules:
+        optimizer_moments(module, optimizer, create=True, step=float(extra.get("step", 0)))
+    parts = training_parts(modules, optimizer)
+    _refuse_unused(path, saved, {*parts, "optim_step"})
+    state = {"optim_step": torch.tensor(0.0)}
+    _dcp_load(path, state, storage_reader=reader, planner=PartsLoadPlanner(parts))
+    for st in optimizer.state.values():
+        st["step"].fill_(float(state["optim_step"]))
+    _load_rng(path, extra, modules, streams)
     return extra
 
 
-def load_model_only(path: str | Path, model) -> dict:
-    """Load just the model weights of a complete checkpoint (any TP size; works without a process group)."""
+def load_model_only(path: str | Path, model, *, verify: bool = True) -> dict:
+    """Load just the model weights of a complete checkpoint (any TP size; works without a process
+    group); ``verify`` checks every file's checksum first. Errors as :func:`load_checkpoint`'s."""
     path = Path(path)
-    extra = _require_complete(path)
-    reader = _reader(path)
+    extra = _open(path, verify)
+    reader, saved = _reader(path)
     dense = _dense_like(model)
+    _refuse_unused(path, {k for k in saved if k.startswith("model.")}, {f"model.{k}" for k in dense})
     with warnings.catch_warnings():  # one process without a process group is the intent here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": dense}, storage_reader=reader, no_dist=not dist.is_initialized())
+        _dcp_load(path, {"model": dense}, storage_reader=reader, no_dist=not dist.is_initialized())
     model.load_dense_state_dict(dense)
     return extra
 

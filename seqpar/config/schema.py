@@ -146,6 +146,12 @@ class CheckpointConfig:
     # checkpoint.async: write a checkpoint in the background (torch.distributed.checkpoint's
     # async_save) while training goes on; it is sealed (marker, latest, keep-N) before the next one
     async_save: bool = field(default=False, metadata={"key": "async"})
+    # check every file of a checkpoint against the CRC-32 its complete.json records before
+    # loading it; a damaged newest checkpoint is then skipped for the previous one (auto resume)
+    verify: bool = True
+    # resume even when the checkpoint was trained on another token stream or tokenizer (e.g.
+    # fine-tuning on new data); otherwise such a resume is refused (seqpar.checkpoint.compat)
+    allow_data_change: bool = False
 
     def validate(self) -> None:
         check_at_least("checkpoint.interval", self.interval, 0)

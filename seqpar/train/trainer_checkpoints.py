@@ -6,8 +6,8 @@ from pathlib import Path
 import torch
 
 from ..config import dump
-from ..checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from .faults import check_finite_weights, check_tokenizer
+from ..checkpoint import data_identity, resume_latest, save_checkpoint
+from .faults import check_finite_weights
 
 
 class TrainerCheckpoints:
@@ -23,7 +23,8 @@ class TrainerCheckpoints:
         self.finish_pending_save()
         extra = {"data": self.batches.state_dict(), "tp": self.mesh.tp_size, "dp": self.dp,
                  "pp": self.mesh.pp_size, "virtual_stages": self.cfg.parallel.virtual_stages,
-                 "data_parallel": self.dp_mode}
+                 "data_parallel": self.dp_mode,
+                 "data_identity": data_identity(self.corpus.tokens, self.corpus.tokenizer)}
         out = save_checkpoint(ck.dir, step, self._parts, self.optimizer, extra, dump(self.cfg), self._streams,
                               keep=ck.keep, attachments=self.attachments, async_save=ck.async_save)
         if ck.async_save:
@@ -51,14 +52,16 @@ class TrainerCheckpoints:
             self.logger.print(f"checkpoint saved: {pending.finish()}")
 
     def resume(self) -> int:
-        """Load the newest complete checkpoint when ``checkpoint.resume`` is ``"auto"`` (any TP
-        layout); returns the step to start from (0 when there is none)."""
+        """Load the newest intact checkpoint of this model and data when ``checkpoint.resume`` is
+        ``"auto"`` (any layout; :func:`~seqpar.checkpoint.resume_latest`); returns the step to start
+        from (0 when there is none)."""
         ck = self.cfg.checkpoint
-        latest = latest_checkpoint(ck.dir) if ck.resume == "auto" else None
-        if latest is None:
+        found = resume_latest(ck.dir, self._parts, self.optimizer, self._streams, config=self.cfg,
+                              data=data_identity(self.corpus.tokens, self.corpus.tokenizer)
+                              ) if ck.resume == "auto" else None
+        if found is None:
             return self.start_step
-        check_tokenizer(latest, self.corpus.tokenizer, self.cfg.data.source)
-        extra = load_checkpoint(latest, self._parts, self.optimizer, self._streams)
+        latest, extra = found
         self.start_step = int(extra["step"])
         self.batches.load_state_dict(extra["data"])
         self.logger.print(f"resumed from {latest} at step {self.start_step}")

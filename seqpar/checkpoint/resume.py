@@ -1,0 +1,41 @@
+"""Resuming a run: the newest checkpoint that is intact and this run's, falling back past damage.
+
+A damaged or unreadable checkpoint (:class:`CheckpointCorrupt`: a checksum mismatch, a file that
+cannot be parsed) is skipped with one warning naming the file, for the previous complete one; a
+checkpoint of another model or data (:class:`CheckpointMismatch`) is refused, never skipped, so a
+run never trains over the wrong checkpoint and keep-N never prunes the right ones.
+"""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+from .errors import CheckpointCorrupt
+from .files import resume_order
+from .save_load import load_checkpoint
+
+
+def resume_latest(root: str | Path, model, optimizer, streams, *, config, data: dict | None = None
+                  ) -> tuple[Path, dict] | None:
+    """Load the newest usable checkpoint under ``root`` (every rank; the arguments as
+    :func:`load_checkpoint`'s, ``config.checkpoint.verify`` deciding the checksum check) and return
+    ``(folder, extra)``; ``None`` when ``root`` holds no complete checkpoint. Raises
+    :class:`CheckpointCorrupt` when every complete checkpoint is damaged."""
+    complete, skipped = resume_order(root)
+    for why in skipped:
+        warnings.warn(f"{why} and was skipped; using {complete[0] if complete else 'no checkpoint'}", stacklevel=2)
+    first = None
+    for i, folder in enumerate(complete):
+        try:
+            return folder, load_checkpoint(folder, model, optimizer, streams, config=config, data=data,
+                                           verify=config.checkpoint.verify)
+        except CheckpointCorrupt as e:
+            first = first or e
+            then = f"resuming from {complete[i + 1]} instead" if i + 1 < len(complete) else "no other checkpoint"
+            warnings.warn(f"{e}; {then}", stacklevel=2)
+    if first is not None:
+        raise CheckpointCorrupt(f"no checkpoint under {root} is intact: {first}")
+    return None
+
+
+__all__ = ["resume_latest"]
