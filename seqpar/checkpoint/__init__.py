@@ -11,23 +11,7 @@
     safe_metadata.py  DCP's metadata read without running code from it
     safetensors.py    the safetensors format (``seqpar export``, ``seqpar generate``)
 
-Integrity. ``complete.json`` records every file's size and CRC-32 (each rank checksums the files
-it wrote; rank 0 records them all) and the save's sequence number. Loading verifies every file
-first (``checkpoint.verify``, on by default; the ranks share the files out). An automatic resume
-(``checkpoint.resume=auto``) that meets a damaged or unreadable file warns once, naming it, and
-uses the previous complete checkpoint; a checkpoint named explicitly fails with one line naming
-the file (:class:`CheckpointCorrupt`). A resume takes the newest save (the marker's sequence
-number), so a ``latest`` that could not be rewritten (a full disk just after the rename) never
-sends it back to an older one; ``latest`` is advisory. A file that cannot be written fails the save
-on every rank with one line naming it and "no space left on device" when the disk is full
-(:class:`CheckpointWriteError`); the earlier checkpoints are untouched.
-
-Compatibility (:mod:`seqpar.checkpoint.compat`). A resume compares the checkpoint's
-``config.yaml`` with the run's: the model keys that decide the parameters (``MODEL_KEYS``) must
-match, runtime keys (``RUNTIME_KEYS``: dropout, recompute, sequence_parallel, attention kernel,
-dtype, ...), the parallel layout, the optimizer and the schedule may change; saved tensors the
-model does not use are refused by name. A different token stream or tokenizer is refused unless
-``checkpoint.allow_data_change: true``. Refusals are :class:`CheckpointMismatch`, never a fallback.
+What a checkpoint guarantees (integrity, fallback, compatibility on resume): docs/checkpoints.md.
 """
 from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointWriteError, UnsafeCheckpoint
 from .files import CheckpointDir, checkpoint_problem, complete_checkpoints, latest_checkpoint, open_checkpoint_dir
