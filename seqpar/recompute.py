@@ -15,11 +15,14 @@ forward pass used. It keeps its tensor inputs through ``save_for_backward`` (vis
 """
 from __future__ import annotations
 
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal, Sequence, get_args
 
 import torch
 
 from .distributed.rng import RNGStreams, capture_rng, replay_rng
+
+RecomputeMode = Literal["none", "selective", "full"]  # what one layer keeps or recomputes
+RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -85,8 +88,8 @@ def layer_recompute_plan(modes: Sequence[str]) -> list[tuple[int, int, bool]]:
     """
     runs: list[tuple[int, int, bool]] = []
     for i, mode in enumerate(modes):
-        if mode not in ("none", "selective", "full"):
-            raise ValueError(f"per-layer recompute mode {i} must be 'none', 'selective' or 'full', got {mode!r}")
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"per-layer recompute mode {i} must be one of {RECOMPUTE_MODES}, got {mode!r}")
         if mode != "full" and runs and not runs[-1][2]:
             runs[-1] = (runs[-1][0], i + 1, False)
         else:
