@@ -182,7 +182,7 @@ class Trainer(TrainerCheckpoints):
         """Tokens and model FLOPs per optimizer step (whole world) against the device's peak."""
         tc, mc = self.tc, self.mc
         sequences = tc.micro_batch * self.accum * self.dp
-        step_flops = flops.model_flops(B=sequences, s=mc.seq_len, h=mc.hidden, L=mc.layers, v=mc.vocab_size)
+        step_flops = flops.step_model_flops(mc, sequences=sequences, t=self.mesh.tp_size)
         return Throughput(sequences * mc.seq_len, step_flops, self.mesh.world_size, flops.peak_flops(device_name()))
 
     # ---- one optimizer step --------------------------------------------------------------------
