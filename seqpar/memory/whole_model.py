@@ -23,41 +23,46 @@ from fractions import Fraction
 
 from ..model.config import GPTConfig
 from ..recompute import full_recompute_plan
+from .formulas import _SCORE_TERMS, _sbh_terms, outside_layer_terms
 
 
-def _layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: bool) -> dict[str, Fraction]:
-    """One layer's kept tensors in bytes (Table 2's derivation, PAPER.md), as this config runs."""
-    h, a = cfg.hidden, cfg.heads
-    sbh, scores = Fraction(s * b * h), Fraction(a * s * s * b)
-    kv, ffn = Fraction(cfg.num_kv_heads, a), Fraction(cfg.ffn_hidden, h)  # g/a and f/h
+def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: bool) -> dict[str, Fraction]:
+    """One layer's kept tensors in bytes as this config runs it: Table 2's terms
+    (:func:`seqpar.memory.formulas.activation_breakdown`'s names) at ``act``-byte activations, the
+    dropout masks (1 byte) only with dropout, the ``[b, a, s, s]`` terms only without selective
+    recompute and the softmax-dropout ones only with attention dropout."""
+    sbh, scores = Fraction(s * b * cfg.hidden), Fraction(cfg.heads * s * s * b)
     rep = t if cfg.sequence_parallel else 1  # the terms plain TP leaves replicated: SP splits them too
     u = Fraction(act, 2)  # Table 2 counts 2-byte activations
-    terms = {
-        "layernorm_inputs": 4 * sbh * u / rep, "qkv_input": 2 * sbh * u / rep, "fc1_input": 2 * sbh * u / rep,
-        "q_k": (2 + 2 * kv) * sbh * u / t, "v": 2 * kv * sbh * u / t, "projection_input": 2 * sbh * u / t,
-        "fc2_input": 2 * ffn * sbh * u / t,
-    }
-    if cfg.mlp == "swiglu":
-        terms["swiglu_gate_up"] = 4 * ffn * sbh * u / t
-    else:
-        terms["gelu_input"] = 2 * ffn * sbh * u / t
-    if cfg.dropout > 0:
-        terms["dropout_masks"] = 2 * sbh / rep  # 1 byte each, post-attention and post-MLP
+    terms: dict[str, Fraction] = {}
+    for name, (k, shard) in _sbh_terms(cfg.hidden, cfg.heads, cfg.num_kv_heads, cfg.ffn_hidden, cfg.mlp).items():
+        if name.endswith("dropout_mask"):
+            if cfg.dropout > 0:
+                terms[name] = k * sbh / rep
+        else:
+            terms[name] = k * sbh * u / (t if shard == "tp" else rep)
     if not selective:
-        terms["softmax_output"] = 2 * scores * u / t
-        if cfg.attention_dropout > 0:
-            terms["softmax_dropout"] = (scores + 2 * scores * u) / t  # 1-byte mask + its output
+        for name, k in _SCORE_TERMS.items():
+            if name == "softmax_out" or cfg.attention_dropout > 0:
+                terms[name] = k * scores * (1 if name.endswith("mask") else u) / t
     return terms
 
 
-def _extra_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int) -> dict[str, Fraction]:
-    """§4.3: outside the layers (one pipeline stage holding both ends)."""
-    sbh, rep, u = Fraction(s * b * cfg.hidden), (t if cfg.sequence_parallel else 1), Fraction(act, 2)
-    terms = {"final_layernorm_input": 2 * sbh * u / rep, "output_layer_input": 2 * sbh * u / rep,
-             "logits_fp32": Fraction(4 * s * b * cfg.padded_vocab(t), t)}
-    if cfg.dropout > 0:
-        terms["embedding_dropout_mask"] = sbh / rep
-    return terms
+def outside_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, in_flight: int = 1, first: bool = True,
+                  last: bool = True) -> dict[str, Fraction]:
+    """§4.3 as this config runs it (:func:`seqpar.memory.formulas.outside_layer_terms`): the
+    logits have the padded vocabulary's columns; no embedding mask without dropout."""
+    return outside_layer_terms(s=s, b=b, h=cfg.hidden, v=cfg.padded_vocab(t), t=t,
+                                rep=t if cfg.sequence_parallel else 1, act=act, dropout=cfg.dropout > 0,
+                                in_flight=in_flight, first=first, last=last)
+
+
+def layer_bytes(cfg: GPTConfig, mode: str, *, s: int, b: int, t: int, act: int) -> Fraction:
+    """Bytes one layer of ``cfg`` keeps for one micro-batch under recompute ``mode``; ``full``: the
+    input of a checkpointed unit (one per unit, however many layers it holds)."""
+    if mode == "full":
+        return Fraction(s * b * cfg.hidden * act, t if cfg.sequence_parallel else 1)
+    return sum(layer_terms(cfg, s=s, b=b, t=t, act=act, selective=mode == "selective").values(), Fraction(0))
 
 
 def model_activation_bytes(cfg: GPTConfig, *, t: int, micro_batch: int, activation_bytes: int = 2,
@@ -65,24 +70,19 @@ def model_activation_bytes(cfg: GPTConfig, *, t: int, micro_batch: int, activati
     """Bytes one rank keeps for backward for one micro-batch of ``cfg`` at TP size ``t``:
     ``{"layers": ..., "outside_layers": ..., "total": ...}``. ``activation_bytes``: 2 for bf16
     activations, 4 for fp32 (dropout masks stay 1 byte)."""
-    s, b, L = seq_len or cfg.seq_len, micro_batch, cfg.layers
+    dims = dict(s=seq_len or cfg.seq_len, b=micro_batch, t=t, act=activation_bytes)
     modes = cfg.layer_recompute()  # model.recompute_layers: one mode per layer, each full layer its own unit
     if modes is not None:
-        unit_input = Fraction(2 * s * b * cfg.hidden * activation_bytes, 2 * (t if cfg.sequence_parallel else 1))
-        per = {sel: sum(_layer_terms(cfg, s=s, b=b, t=t, act=activation_bytes, selective=sel).values())
-               for sel in (False, True)}
-        layers = sum(unit_input if m == "full" else per[m == "selective"] for m in modes)
+        layers = sum(layer_bytes(cfg, m, **dims) for m in modes)
     elif cfg.recompute == "full":
-        runs = full_recompute_plan(L, cfg.recompute_method, cfg.recompute_num_layers)
-        unit_input = Fraction(2 * s * b * cfg.hidden * activation_bytes, 2 * (t if cfg.sequence_parallel else 1))
+        runs = full_recompute_plan(cfg.layers, cfg.recompute_method, cfg.recompute_num_layers)
         kept = sum(end - begin for begin, end, ckpt in runs if not ckpt)
-        per_layer = sum(_layer_terms(cfg, s=s, b=b, t=t, act=activation_bytes, selective=False).values())
-        layers = unit_input * sum(1 for *_, ckpt in runs if ckpt) + per_layer * kept
+        units = sum(1 for *_, ckpt in runs if ckpt)
+        layers = units * layer_bytes(cfg, "full", **dims) + kept * layer_bytes(cfg, "none", **dims)
     else:
-        selective = cfg.recompute == "selective"
-        layers = L * sum(_layer_terms(cfg, s=s, b=b, t=t, act=activation_bytes, selective=selective).values())
-    outside = sum(_extra_terms(cfg, s=s, b=b, t=t, act=activation_bytes).values())
+        layers = cfg.layers * layer_bytes(cfg, cfg.recompute, **dims)
+    outside = sum(outside_terms(cfg, **dims).values())
     return {"layers": round(layers), "outside_layers": round(outside), "total": round(layers + outside)}
 
 
-__all__ = ["model_activation_bytes"]
+__all__ = ["layer_bytes", "layer_terms", "model_activation_bytes", "outside_terms"]

@@ -38,7 +38,7 @@ from ..model import GPT
 from ..parallel.data_parallel import DataParallel, state_bytes, state_line
 from ..parallel.pipeline import check_microbatches, resolve_schedule
 from ..plan.recompute import resolve_recompute
-from .activations import ActivationProbe
+from ..memory.probe import ActivationProbe
 from ..data import Batch
 from ..checkpoint import open_checkpoint_dir
 from ..data import data_streams, load_corpus, tokenizer_attachment

@@ -13,8 +13,8 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
-from ..memory.ledger import ActivationLedger
-from ..memory.whole_model import model_activation_bytes
+from .ledger import ActivationLedger
+from .whole_model import model_activation_bytes
 from ..model.config import GPTConfig
 
 
