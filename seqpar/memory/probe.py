@@ -62,7 +62,8 @@ class ActivationProbe:
 
     def line(self, cfg: GPTConfig, *, t: int, micro_batch: int, activation_bytes: int) -> str:
         """``activations: X MiB saved per rank, formula Y MiB (ratio R)``."""
-        formula = model_activation_bytes(cfg, t=t, micro_batch=micro_batch, activation_bytes=activation_bytes)["total"]
+        formula = model_activation_bytes(cfg, t=t, micro_batch=micro_batch, activation_bytes=activation_bytes,
+                                         device=self.device.type)["total"]
         x = self.measured or 0
         return (f"activations: {x / 2**20:.2f} MiB saved per rank, formula {formula / 2**20:.2f} MiB "
                 f"(ratio {x / formula:.3f})")

@@ -26,11 +26,44 @@ from ..recompute import full_recompute_plan
 from .formulas import _SCORE_TERMS, _sbh_terms, outside_layer_terms
 
 
-def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: bool) -> dict[str, Fraction]:
-    """One layer's kept tensors in bytes as this config runs it: Table 2's terms
+def attention_kernel(cfg: GPTConfig, device: str = "cuda") -> str:
+    """What the attention core runs as, for the memory it keeps (``docs/memory.md``): ``"math"``
+    (seqpar's own, Table 2's ``[b, a, s, s]`` terms); ``"fused"`` (``attention: sdpa`` on CUDA's
+    flash / memory-efficient / cuDNN kernels, and on CPU's flash kernel without attention dropout:
+    output, logsumexp and RNG state, O(s) per head); ``"sdpa-math"`` (``sdpa`` on CPU with attention
+    dropout: PyTorch's composite math kernel, which computes in fp32)."""
+    if cfg.attention == "math":
+        return "math"
+    return "sdpa-math" if device == "cpu" and cfg.attention_dropout > 0 else "fused"
+
+
+def _core_terms(cfg: GPTConfig, kernel: str, *, sbh: Fraction, scores: Fraction, t: int, u: Fraction,
+                device: str) -> dict[str, Fraction]:
+    """What the attention core keeps beyond Table 2's Q, K, V when it is not recomputed."""
+    a, s_b = cfg.heads, scores / cfg.heads  # s * s * b
+    if kernel == "fused":  # fp32 logsumexp [b, a, s]; dropout: the philox seed and offset (2 x int64)
+        rows = Fraction(a, 1) * (sbh / cfg.hidden)  # a * s * b
+        out = {"attention_logsumexp": 4 * rows / t}
+        if cfg.attention_dropout > 0 and device != "cpu":
+            out["attention_rng_state"] = Fraction(16)
+        return out
+    if kernel == "sdpa-math":  # fp32 copies of Q and K, V (at all a heads) and three fp32 score tensors
+        return {"qk": 8 * sbh / t, "v": 4 * sbh / t, "softmax_out": 4 * a * s_b / t,
+                "softmax_dropout_mask": 4 * a * s_b / t, "softmax_dropout_out": 4 * a * s_b / t}
+    out = {}
+    for name, k in _SCORE_TERMS.items():
+        if name == "softmax_out" or cfg.attention_dropout > 0:
+            out[name] = k * scores * (1 if name.endswith("mask") else u) / t
+    return out
+
+
+def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: bool,
+                device: str = "cuda") -> dict[str, Fraction]:
+    """One layer's kept tensors in bytes as this config runs it on ``device``: Table 2's terms
     (:func:`seqpar.memory.formulas.activation_breakdown`'s names) at ``act``-byte activations, the
-    dropout masks (1 byte) only with dropout, the ``[b, a, s, s]`` terms only without selective
-    recompute and the softmax-dropout ones only with attention dropout."""
+    dropout masks (1 byte) only with dropout; without selective recompute, what the attention
+    kernel (:func:`attention_kernel`) keeps: for math the ``[b, a, s, s]`` terms (the softmax-dropout
+    ones only with attention dropout)."""
     sbh, scores = Fraction(s * b * cfg.hidden), Fraction(cfg.heads * s * s * b)
     rep = t if cfg.sequence_parallel else 1  # the terms plain TP leaves replicated: SP splits them too
     u = Fraction(act, 2)  # Table 2 counts 2-byte activations
@@ -42,9 +75,7 @@ def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: 
         else:
             terms[name] = k * sbh * u / (t if shard == "tp" else rep)
     if not selective:
-        for name, k in _SCORE_TERMS.items():
-            if name == "softmax_out" or cfg.attention_dropout > 0:
-                terms[name] = k * scores * (1 if name.endswith("mask") else u) / t
+        terms.update(_core_terms(cfg, attention_kernel(cfg, device), sbh=sbh, scores=scores, t=t, u=u, device=device))
     return terms
 
 
@@ -57,32 +88,35 @@ def outside_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, in_flight
                                 in_flight=in_flight, first=first, last=last)
 
 
-def layer_bytes(cfg: GPTConfig, mode: str, *, s: int, b: int, t: int, act: int) -> Fraction:
-    """Bytes one layer of ``cfg`` keeps for one micro-batch under recompute ``mode``; ``full``: the
-    input of a checkpointed unit (one per unit, however many layers it holds)."""
+def layer_bytes(cfg: GPTConfig, mode: str, *, s: int, b: int, t: int, act: int, device: str = "cuda") -> Fraction:
+    """Bytes one layer of ``cfg`` keeps for one micro-batch under recompute ``mode`` on ``device``;
+    ``full``: the input of a checkpointed unit (one per unit, however many layers it holds)."""
     if mode == "full":
         return Fraction(s * b * cfg.hidden * act, t if cfg.sequence_parallel else 1)
-    return sum(layer_terms(cfg, s=s, b=b, t=t, act=act, selective=mode == "selective").values(), Fraction(0))
+    terms = layer_terms(cfg, s=s, b=b, t=t, act=act, selective=mode == "selective", device=device)
+    return sum(terms.values(), Fraction(0))
 
 
 def model_activation_bytes(cfg: GPTConfig, *, t: int, micro_batch: int, activation_bytes: int = 2,
-                           seq_len: int | None = None) -> dict[str, int]:
-    """Bytes one rank keeps for backward for one micro-batch of ``cfg`` at TP size ``t``:
-    ``{"layers": ..., "outside_layers": ..., "total": ...}``. ``activation_bytes``: 2 for bf16
-    activations, 4 for fp32 (dropout masks stay 1 byte)."""
+                           seq_len: int | None = None, device: str = "cuda") -> dict[str, int]:
+    """Bytes one rank keeps for backward for one micro-batch of ``cfg`` at TP size ``t`` on a
+    ``device`` ("cuda" or "cpu": the attention kernel sdpa picks): ``{"layers": ..., "outside_layers":
+    ..., "total": ...}``. ``activation_bytes``: 2 for bf16 activations, 4 for fp32 (dropout masks stay
+    1 byte)."""
     dims = dict(s=seq_len or cfg.seq_len, b=micro_batch, t=t, act=activation_bytes)
+    per = dict(dims, device=device)
     modes = cfg.layer_recompute()  # model.recompute_layers: one mode per layer, each full layer its own unit
     if modes is not None:
-        layers = sum(layer_bytes(cfg, m, **dims) for m in modes)
+        layers = sum(layer_bytes(cfg, m, **per) for m in modes)
     elif cfg.recompute == "full":
         runs = full_recompute_plan(cfg.layers, cfg.recompute_method, cfg.recompute_num_layers)
         kept = sum(end - begin for begin, end, ckpt in runs if not ckpt)
         units = sum(1 for *_, ckpt in runs if ckpt)
-        layers = units * layer_bytes(cfg, "full", **dims) + kept * layer_bytes(cfg, "none", **dims)
+        layers = units * layer_bytes(cfg, "full", **per) + kept * layer_bytes(cfg, "none", **per)
     else:
-        layers = cfg.layers * layer_bytes(cfg, cfg.recompute, **dims)
+        layers = cfg.layers * layer_bytes(cfg, cfg.recompute, **per)
     outside = sum(outside_terms(cfg, **dims).values())
     return {"layers": round(layers), "outside_layers": round(outside), "total": round(layers + outside)}
 
 
-__all__ = ["layer_bytes", "layer_terms", "model_activation_bytes", "outside_terms"]
+__all__ = ["attention_kernel", "layer_bytes", "layer_terms", "model_activation_bytes", "outside_terms"]

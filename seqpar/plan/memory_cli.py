@@ -20,7 +20,9 @@ from ..memory.formulas import (PAPER_MODELS, ModelShape, bytes_per_layer, extra_
 from ..memory.state import state_table
 from ..model.config import GPTConfig
 from ..model.modes import DATA_PARALLEL_MODES, PRECISIONS
-from .memory_measure import RANK_TIMEOUT_S, ROWS, RUN_TIMEOUT_S, first_stage_table, measure, measure_first_stage
+from ..memory.whole_model import attention_kernel
+from .memory_measure import (RANK_TIMEOUT_S, ROWS, RUN_TIMEOUT_S, first_stage_table, measure, measure_first_stage,
+                             measured_formula, row_config)
 
 
 @dataclasses.dataclass
@@ -70,13 +72,18 @@ def estimate_bytes(e: Entry) -> int:
     return int(t * (acts + 2 * params))
 
 
-def table(shape: ModelShape, measured: dict[str, int] | None = None) -> str:
-    """A Markdown table for one model: formula bytes per technique, and measured ones if given."""
+def table(shape: ModelShape, measured: dict[str, int] | None = None, expected: dict[str, int] | None = None,
+          kernel: str = "math") -> str:
+    """A Markdown table for one model: formula bytes per technique, and measured ones if given,
+    against ``expected`` (the formula for the attention ``kernel`` they ran; default Table 2's)."""
     dims = dict(s=shape.s, b=shape.b, h=shape.h, a=shape.a, t=shape.t)
     factor = interleave_factor(shape.p, shape.m)
     lines = [f"### {shape.name}: s={shape.s} b={shape.b} h={shape.h} a={shape.a} L={shape.L} t={shape.t} "
              f"p={shape.p} m={shape.m} (per GPU = per layer x {shape.L} layers x interleave {factor:.4g})", ""]
     head = ["technique", "per layer (Table 2)", "per GPU", "% of TP"]
+    other_kernel = measured is not None and expected is not None and kernel != "math"
+    if other_kernel:
+        head += [f"formula, {kernel} attention (bytes)"]
     if measured is not None:
         head += ["measured per layer (bytes)", "measured / formula"]
     lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
@@ -87,6 +94,9 @@ def table(shape: ModelShape, measured: dict[str, int] | None = None) -> str:
         formula = bytes_per_layer(tech, **dims)
         row = [label, human(formula, unit), human(per_gpu_bytes(shape, tech), gpu_unit),
                f"{100 * ratio_to_tp(tech, **dims):.2f}%"]
+        if other_kernel:
+            formula = expected[tech]
+            row += [f"{formula:,}"]
         if measured is not None:
             row += [f"{measured[tech]:,}", f"{measured[tech] / formula:.4f}"]
         lines.append("| " + " | ".join(row) + " |")
@@ -211,14 +221,18 @@ def main(argv: list[str]) -> int:
     for e in entries:
         measured = None
         if args.measure:
-            print(f"measuring {e.shape.name} on {e.shape.t} gloo rank(s): bf16, math attention, dropout 0.1 "
+            kernel = attention_kernel(row_config(e.model, "tp"), "cpu")
+            print(f"measuring {e.shape.name} on {e.shape.t} gloo rank(s): bf16, {e.model.attention} attention "
+                  f"({kernel} kernel on CPU), dropout 0.1 "
                   f"(~{gib(estimate_bytes(e)):.2f} GiB) ...", file=sys.stderr, flush=True)
             try:
                 measured = measure(e.model, e.shape)
             except Exception as ex:  # a rank failed: its traceback is in the message
                 err(f"measuring {e.path} failed: {ex}")
                 return 1
-        print(table(e.shape, measured) + "\n", flush=True)
+        kernel = attention_kernel(row_config(e.model, "tp"), "cpu")
+        expected = measured_formula(e.model, e.shape) if measured is not None else None
+        print(table(e.shape, measured, expected, kernel) + "\n", flush=True)
         if args.measure and e.shape.p > 1 and not _print_first_stage(e):
             return 1
         if args.dp is not None or args.data_parallel or args.precision:

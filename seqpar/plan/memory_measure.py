@@ -5,7 +5,7 @@ keeps for backward (:class:`seqpar.memory.ActivationLedger`). For pipeline layou
 :func:`measure_first_stage` reads the first stage's peak during one schedule step: with ``parallel.pp = p > 1`` the per-GPU figure of §4.2.3 is what the *first* pipeline stage holds
 at its peak, ``L`` layers' worth for 1F1B (``p`` micro-batches of its ``L/p`` layers in flight)
 times ``1 + (p-1)/(pm)`` with ``m`` interleaved chunks. This runs one training step of the model
-on ``p x t`` gloo ranks (bf16, math attention, dropout 0.1, as the per-layer measurement), with
+on ``p x t`` gloo ranks (bf16, the configured attention, dropout 0.1, as the per-layer measurement), with
 :func:`micro_batches` micro-batches (enough for the schedule to reach its peak),
 and reads the peak saved-activation bytes inside the layers of the first stage
 (:class:`seqpar.memory.PeakActivationLedger`, leaving out what a recompute saves during
@@ -20,6 +20,7 @@ import sys
 
 from ..distributed.local import run_local
 from ..memory.formulas import ModelShape, Technique, per_gpu_bytes
+from ..memory.whole_model import layer_bytes
 from ..model.config import GPTConfig
 
 TECHNIQUES = {"tp_sp": ("TP + SP", "none"), "tp_sp_selective": ("TP + SP + selective", "selective")}
@@ -35,6 +36,22 @@ RANK_TIMEOUT_S = 120  # a rank stuck in a collective fails the run instead of ha
 RUN_TIMEOUT_S = 1800  # a measurement still running after this is killed
 
 
+def row_config(base: GPTConfig, tech: str) -> GPTConfig:
+    """The config a Table 2 row is measured with: bf16, dropout 0.1, the row's SP and uniform
+    recompute, and the file's own attention kernel (``model.attention``)."""
+    _, sp, recompute = ROWS[tech]
+    return dataclasses.replace(base, dtype="bfloat16", dropout=0.1, attention_dropout=0.1, sequence_parallel=sp,
+                               recompute=recompute, recompute_method="uniform", recompute_num_layers=1,
+                               recompute_layers=None)
+
+
+def measured_formula(base: GPTConfig, shape: ModelShape) -> dict[str, int]:
+    """Per-layer bytes each row should keep on these CPU ranks, for the configured attention kernel
+    (:func:`seqpar.memory.whole_model.layer_bytes`; Table 2 itself for ``attention: math``)."""
+    return {tech: round(layer_bytes(row_config(base, tech), ROWS[tech][2], s=shape.s, b=shape.b, t=shape.t, act=2,
+                                    device="cpu")) for tech in ROWS}
+
+
 def _layer_rank(rank: int, t: int, base: GPTConfig, b: int) -> dict[str, list[int]]:
     """One gloo rank: build the model once per technique and return each layer's saved bytes."""
     import torch
@@ -45,10 +62,8 @@ def _layer_rank(rank: int, t: int, base: GPTConfig, b: int) -> dict[str, list[in
 
     mesh = init_parallel(tp=t, backend="gloo")  # over the group run_local started
     out: dict[str, list[int]] = {}
-    for i, (tech, (label, sp, recompute)) in enumerate(ROWS.items()):
-        cfg = dataclasses.replace(base, dtype="bfloat16", attention="math", dropout=0.1, attention_dropout=0.1,
-                                  sequence_parallel=sp, recompute=recompute, recompute_method="uniform",
-                                  recompute_num_layers=1, recompute_layers=None)  # each row uniform
+    for i, (tech, (label, _, _)) in enumerate(ROWS.items()):
+        cfg = row_config(base, tech)
         net = GPT(cfg, mesh, seed=0)
         tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=torch.Generator().manual_seed(0))
         with ActivationLedger(net) as ledger:
@@ -85,7 +100,7 @@ def _rank_main(rank: int, world: int, base: GPTConfig, t: int, p: int, m: int, b
     mesh = init_parallel(tp=t, pp=p, backend="gloo")
     out = {}
     for tech, (_, recompute) in TECHNIQUES.items():
-        cfg = dataclasses.replace(base, dtype="bfloat16", attention="math", dropout=0.1, attention_dropout=0.1,
+        cfg = dataclasses.replace(base, dtype="bfloat16", dropout=0.1, attention_dropout=0.1,
                                   sequence_parallel=True, recompute=recompute, recompute_layers=None)
         n = micro_batches(p, m)
         pipe = build_pipeline(cfg, mesh, seed=0, virtual_stages=m, n_microbatches=n)
@@ -118,4 +133,4 @@ def first_stage_table(shape: ModelShape, measured: dict[str, int]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["ROWS", "first_stage_table", "measure", "measure_first_stage"]
+__all__ = ["ROWS", "first_stage_table", "measure", "measure_first_stage", "measured_formula", "row_config"]
