@@ -23,6 +23,8 @@ from .distributed.rng import RNGStreams, capture_rng, replay_rng
 
 RecomputeMode = Literal["none", "selective", "full"]  # what one layer keeps or recomputes
 RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
+RecomputeMethod = Literal["uniform", "block"]  # full recompute: groups of N layers, or the first N layers
+RECOMPUTE_METHODS: tuple[RecomputeMethod, ...] = get_args(RecomputeMethod)
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -65,7 +67,7 @@ def checkpoint(run_fn: Callable, *args, streams: RNGStreams | None = None):
     return _Checkpoint.apply(run_fn, streams, *args)
 
 
-def full_recompute_plan(layers: int, method: Literal["uniform", "block"], num_layers: int) -> list[tuple[int, int, bool]]:
+def full_recompute_plan(layers: int, method: RecomputeMethod, num_layers: int) -> list[tuple[int, int, bool]]:
     """Split ``range(layers)`` into runs ``(start, end, checkpointed)``.
 
     uniform, N=2, L=5 -> [(0,2,T), (2,4,T), (4,5,T)]; block, N=2, L=5 -> [(0,1,T), (1,2,T), (2,5,F)].

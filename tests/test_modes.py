@@ -5,11 +5,12 @@ import ast
 from pathlib import Path
 
 import seqpar
-from seqpar.model.modes import DATA_PARALLEL_MODES, PRECISION_SETTINGS, PRECISIONS, RECOMPUTE_MODES
+from seqpar.model.modes import DATA_PARALLEL_MODES, PRECISION_SETTINGS, PRECISIONS, RECOMPUTE_METHODS, RECOMPUTE_MODES
 
 PACKAGE = Path(seqpar.__file__).parent
 HOMES = {PACKAGE / "model" / "modes.py", PACKAGE / "recompute.py"}
-NAMED = {frozenset(RECOMPUTE_MODES), frozenset(DATA_PARALLEL_MODES), frozenset(PRECISIONS), frozenset(PRECISION_SETTINGS)}
+NAMED = {frozenset(RECOMPUTE_MODES), frozenset(RECOMPUTE_METHODS), frozenset(DATA_PARALLEL_MODES), frozenset(PRECISIONS),
+         frozenset(PRECISION_SETTINGS)}
 
 
 def _spelled(node: ast.AST) -> frozenset | None:

@@ -10,7 +10,8 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from ..model.config import GPTConfig
-from ..model.modes import DATA_PARALLEL_MODES, RECOMPUTE_MODES, DataParallelMode, RecomputeMode
+from ..model.modes import (DATA_PARALLEL_MODES, RECOMPUTE_METHODS, RECOMPUTE_MODES, DataParallelMode, RecomputeMethod,
+                           RecomputeMode)
 
 Mode = RecomputeMode  # the planner's name for one layer's recompute mode
 
@@ -20,9 +21,9 @@ class Recompute:
     """What each layer recomputes. ``counts`` (mixed only): layers per mode on every stage."""
 
     kind: Literal[RecomputeMode, "mixed"] = "selective"
-    method: Literal["uniform", "block"] = "uniform"  # full only
-    num_layers: int = 1                               # full only: N
-    counts: tuple[tuple[Mode, int], ...] = ()         # mixed only, e.g. (("none", 29), ("selective", 19))
+    method: RecomputeMethod = "uniform"        # full only, as GPTConfig.recompute_method
+    num_layers: int = 1                        # full only: N, as GPTConfig.recompute_num_layers
+    counts: tuple[tuple[Mode, int], ...] = ()  # mixed only, e.g. (("none", 29), ("selective", 19))
 
     def per_stage(self, chunk: int, chunks: int = 1) -> dict[Mode, int]:
         """Layers of each mode on a stage of ``chunks`` model chunks of ``chunk`` layers each
@@ -155,8 +156,8 @@ def parse_layout(text: str, gpus: int) -> Layout:
     if kind not in RECOMPUTE_MODES:
         raise ValueError(f"--layout recompute={kind!r}: expected one of {list(RECOMPUTE_MODES)}")
     method = values.get("recompute_method", "uniform")
-    if method not in ("uniform", "block"):
-        raise ValueError(f"--layout recompute_method={method!r}: expected uniform or block")
+    if method not in RECOMPUTE_METHODS:
+        raise ValueError(f"--layout recompute_method={method!r}: expected one of {list(RECOMPUTE_METHODS)}")
     dpm = values.get("data_parallel", "ddp")
     if dpm not in DATA_PARALLEL_MODES:
         raise ValueError(f"--layout data_parallel={dpm!r}: expected one of {list(DATA_PARALLEL_MODES)}")
