@@ -6,8 +6,8 @@ dropout off keeps no masks (and with attention dropout off the softmax output is
 dropout output); fp32 activations take 4 bytes where Table 2 counts 2; full recompute keeps one
 input per checkpointed unit of layers; and the §4.3 terms outside the layers (embedding dropout
 mask, final LayerNorm input, output-layer input, fp32 logits) are added. A per-layer list
-(``model.recompute_layers``) sums each layer's own mode, a full layer keeping its input. LayerNorm statistics
-and integer token ids are small and left out, as in the paper.
+(``model.recompute_layers``) sums each layer's own mode, a full layer keeping its input. LayerNorm
+statistics and integer token ids are small and left out, as in the paper.
 
 The Llama family generalises three terms (derivation in ``docs/memory.md``): RMSNorm keeps its
 input like LayerNorm (only the small per-token statistics differ: no mean); grouped-query
@@ -15,7 +15,8 @@ attention keeps K and V of ``g`` heads, ``2sbh g/a`` each; SwiGLU keeps the fuse
 (``4sbf``) where GeLU keeps its input (``2sbf``), and both keep the fc2 input (``2sbf``), with
 the MLP width ``f`` from the config. RoPE adds nothing: it runs outside the selectively
 recomputed region and returns the Q, K, V that attention keeps anyway. The fp32 logits have the
-padded vocabulary's columns.
+padded vocabulary's columns. What the attention core keeps depends on its kernel
+(:func:`attention_kernel`; ``docs/memory.md``, "Per attention kernel").
 """
 from __future__ import annotations
 
@@ -39,17 +40,16 @@ def attention_kernel(cfg: GPTConfig, device: str = "cuda") -> str:
 
 def _core_terms(cfg: GPTConfig, kernel: str, *, sbh: Fraction, scores: Fraction, t: int, u: Fraction,
                 device: str) -> dict[str, Fraction]:
-    """What the attention core keeps beyond Table 2's Q, K, V when it is not recomputed."""
-    a, s_b = cfg.heads, scores / cfg.heads  # s * s * b
-    if kernel == "fused":  # fp32 logsumexp [b, a, s]; dropout: the philox seed and offset (2 x int64)
-        rows = Fraction(a, 1) * (sbh / cfg.hidden)  # a * s * b
-        out = {"attention_logsumexp": 4 * rows / t}
+    """What the attention core keeps when it is not recomputed, beyond Table 2's Q, K, V
+    (``sdpa-math`` replaces those); ``scores`` = a s^2 b elements, ``u`` = activation bytes / 2."""
+    if kernel == "fused":  # fp32 logsumexp [b, a, s]; with dropout the philox seed and offset (2 x int64)
+        out = {"attention_logsumexp": 4 * cfg.heads * (sbh / cfg.hidden) / t}
         if cfg.attention_dropout > 0 and device != "cpu":
             out["attention_rng_state"] = Fraction(16)
         return out
-    if kernel == "sdpa-math":  # fp32 copies of Q and K, V (at all a heads) and three fp32 score tensors
-        return {"qk": 8 * sbh / t, "v": 4 * sbh / t, "softmax_out": 4 * a * s_b / t,
-                "softmax_dropout_mask": 4 * a * s_b / t, "softmax_dropout_out": 4 * a * s_b / t}
+    if kernel == "sdpa-math":  # fp32 copies of Q and of K, V at all a heads; three fp32 score tensors
+        return {"qk": 8 * sbh / t, "v": 4 * sbh / t, "softmax_out": 4 * scores / t,
+                "softmax_dropout_mask": 4 * scores / t, "softmax_dropout_out": 4 * scores / t}
     out = {}
     for name, k in _SCORE_TERMS.items():
         if name == "softmax_out" or cfg.attention_dropout > 0:
