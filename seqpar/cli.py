@@ -7,7 +7,7 @@ import sys
 COMMANDS = {
     "train": ("seqpar.train.launch", "train a GPT model (torchrun-compatible; --nproc-per-node starts torchrun)"),
     "generate": ("seqpar.train.generate", "print a sample from a checkpoint"),
-    "memory": ("seqpar.memory.report", "activation memory per technique: paper formulas and measured bytes"),
+    "memory": ("seqpar.plan.memory_cli", "activation memory per technique: paper formulas and measured bytes"),
     "bench": ("seqpar.bench.cli", "seqpar vs Megatron-LM core vs PyTorch DTensor, measured side by side"),
     "plan": ("seqpar.plan.cli", "choose layout and recompute for a model on a cluster, predicted step time"),
     "export": ("seqpar.interop.export", "write a checkpoint as a Hugging Face model folder (--format hf)"),

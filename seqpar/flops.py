@@ -18,9 +18,8 @@ import os
 from typing import Literal
 
 from .model.config import GPTConfig
+from .model.modes import RECOMPUTE_MODES, RecomputeMode as Recompute
 from .recompute import full_recompute_plan
-
-Recompute = Literal["none", "selective", "full"]
 
 
 def layer_forward_flops(*, B: int, s: int, h: int) -> int:
@@ -66,7 +65,7 @@ def hardware_flops(recompute: Recompute, *, B: int, s: int, h: int, L: int, v: i
         return 72 * B * L * s * h * h + 24 * B * L * s * s * h + 6 * B * s * h * v
     if recompute == "full":
         return 4 * L * layer_forward_flops(B=B, s=s, h=h) + 3 * logits_forward_flops(B=B, s=s, h=h, v=v)
-    raise ValueError(f"unknown recompute mode {recompute!r}; expected 'none', 'selective' or 'full'")
+    raise ValueError(f"unknown recompute mode {recompute!r}; expected one of {RECOMPUTE_MODES}")
 
 
 def decoder_layer_forward_flops(*, B: int, s: int, h: int, heads: int, kv_heads: int | None = None,
@@ -83,12 +82,21 @@ def decoder_layer_forward_flops(*, B: int, s: int, h: int, heads: int, kv_heads:
     return qkv + 2 * B * s * h * h + mlp_flops + attention_core_forward_flops(B=B, s=s, h=h)
 
 
+def config_layer_forward_flops(cfg: GPTConfig, *, B: int) -> int:
+    """Forward FLOPs of one whole layer of ``cfg`` for ``B`` sequences (:func:`decoder_layer_forward_flops`)."""
+    return decoder_layer_forward_flops(B=B, s=cfg.seq_len, h=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                                       ffn_hidden=cfg.ffn_hidden, mlp=cfg.mlp)
+
+
+def config_core_forward_flops(cfg: GPTConfig, *, B: int) -> int:
+    """Forward FLOPs of one layer's attention core of ``cfg`` (what selective recompute repeats)."""
+    return attention_core_forward_flops(B=B, s=cfg.seq_len, h=cfg.hidden)
+
+
 def _config_parts(cfg: GPTConfig, B: int, t: int) -> tuple[int, int, int]:
     """(layer forward, attention-core forward, logits forward) FLOPs of ``cfg`` at TP size ``t``."""
-    layer = decoder_layer_forward_flops(B=B, s=cfg.seq_len, h=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                                        ffn_hidden=cfg.ffn_hidden, mlp=cfg.mlp)
-    core = attention_core_forward_flops(B=B, s=cfg.seq_len, h=cfg.hidden)
-    return layer, core, logits_forward_flops(B=B, s=cfg.seq_len, h=cfg.hidden, v=cfg.padded_vocab(t))
+    logits = logits_forward_flops(B=B, s=cfg.seq_len, h=cfg.hidden, v=cfg.padded_vocab(t))
+    return config_layer_forward_flops(cfg, B=B), config_core_forward_flops(cfg, B=B), logits
 
 
 def config_model_flops(cfg: GPTConfig, *, B: int, t: int = 1) -> int:
@@ -119,7 +127,15 @@ def config_hardware_flops(cfg: GPTConfig, *, B: int, t: int = 1, recompute: Reco
     if mode == "full":
         plan = full_recompute_plan(cfg.layers, cfg.recompute_method, cfg.recompute_num_layers)
         return base + layer * sum(end - begin for begin, end, ckpt in plan if ckpt)
-    raise ValueError(f"unknown recompute mode {mode!r}; expected 'none', 'selective' or 'full'")
+    raise ValueError(f"unknown recompute mode {mode!r}; expected one of {RECOMPUTE_MODES}")
+
+
+def step_model_flops(cfg: GPTConfig, *, sequences: int, t: int = 1) -> int:
+    """Model FLOPs of one optimizer step over ``sequences`` sequences of ``cfg.seq_len`` tokens (all
+    ranks together), what MFU divides by: :func:`config_model_flops` with the model's real shape
+    (grouped-query attention, SwiGLU, ``ffn_hidden``, the vocabulary padded for TP size ``t``);
+    recomputation is not counted."""
+    return config_model_flops(cfg, B=sequences, t=t)
 
 
 def selective_overhead(s: int, h: int) -> float:

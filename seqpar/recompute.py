@@ -21,13 +21,18 @@ both passes.
 """
 from __future__ import annotations
 
-from typing import Callable, Literal, Sequence
+from typing import Callable, Literal, Sequence, get_args
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .distributed.rng import RNGStreams, capture_rng, replay_rng
+
+RecomputeMode = Literal["none", "selective", "full"]  # what one layer keeps or recomputes
+RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
+RecomputeMethod = Literal["uniform", "block"]  # full recompute: groups of N layers, or the first N layers
+RECOMPUTE_METHODS: tuple[RecomputeMethod, ...] = get_args(RecomputeMethod)
 
 
 class _Checkpoint(torch.autograd.Function):
@@ -96,7 +101,7 @@ def replayable_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropou
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, **kw)
 
 
-def full_recompute_plan(layers: int, method: Literal["uniform", "block"], num_layers: int) -> list[tuple[int, int, bool]]:
+def full_recompute_plan(layers: int, method: RecomputeMethod, num_layers: int) -> list[tuple[int, int, bool]]:
     """Split ``range(layers)`` into runs ``(start, end, checkpointed)``.
 
     uniform, N=2, L=5 -> [(0,2,T), (2,4,T), (4,5,T)]; block, N=2, L=5 -> [(0,1,T), (1,2,T), (2,5,F)].
@@ -119,8 +124,8 @@ def layer_recompute_plan(modes: Sequence[str]) -> list[tuple[int, int, bool]]:
     """
     runs: list[tuple[int, int, bool]] = []
     for i, mode in enumerate(modes):
-        if mode not in ("none", "selective", "full"):
-            raise ValueError(f"per-layer recompute mode {i} must be 'none', 'selective' or 'full', got {mode!r}")
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"per-layer recompute mode {i} must be one of {RECOMPUTE_MODES}, got {mode!r}")
         if mode != "full" and runs and not runs[-1][2]:
             runs[-1] = (runs[-1][0], i + 1, False)
         else:

@@ -75,3 +75,41 @@ def test_peak_flops_lookup():
         mfu(1.0, 0.0, A100)
     with pytest.raises(ValueError, match="unknown recompute mode"):
         hardware_flops("partial", B=1, s=1, h=1, L=1, v=1)  # type: ignore[arg-type]
+
+
+def _trainer_step_flops(cfg, micro_batch: int, accum: int, dp: int, tp: int) -> float:
+    """The model FLOPs per optimizer step the Trainer divides by for TFLOP/s and MFU, read from
+    the Trainer's own method on the attributes it uses."""
+    from types import SimpleNamespace
+
+    from seqpar.train.trainer import Trainer
+    fake = SimpleNamespace(tc=SimpleNamespace(micro_batch=micro_batch), mc=cfg, accum=accum, dp=dp,
+                           mesh=SimpleNamespace(tp_size=tp, world_size=tp * dp))
+    return Trainer._throughput(fake).flops_per_step
+
+
+@pytest.mark.parametrize("name", ["tiny-cpu", "llama-tiny-cpu"])
+def test_trainer_model_flops_are_the_counted_flops_of_a_step(name):
+    """Model FLOPs count one forward and one backward of every matmul, with no recomputation
+    (what MFU is defined on): the model is built with ``recompute: none`` and FlopCounterMode
+    counts its one forward + backward on one rank (t = 1: the whole model, the vocabulary padded as
+    the Trainer pads it). The shipped configs' SwiGLU, grouped-query attention and ffn_hidden != 4h
+    (llama-tiny-cpu) must be in the Trainer's figure, not only GPT-2's 24h^2 per layer."""
+    from dataclasses import replace
+
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from seqpar.config import load_run_config
+    from seqpar.model import GPT
+
+    run = load_run_config(name)
+    cfg = replace(run.model, recompute="none", recompute_layers=None, sequence_parallel=False)
+    b = 2  # sequences of one micro-batch; the Trainer's step has micro_batch x accum x dp of them
+    tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=torch.Generator().manual_seed(0))
+    model = GPT(cfg, seed=0)
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, tokens).backward()
+    counted = counter.get_total_flops()
+    assert _trainer_step_flops(cfg, micro_batch=1, accum=b, dp=1, tp=1) == pytest.approx(counted, rel=0.02)
+    assert _trainer_step_flops(cfg, micro_batch=2, accum=3, dp=4, tp=1) == pytest.approx(2 * 3 * 4 / b * counted, rel=0.02)

@@ -4,7 +4,8 @@ import re
 import pytest
 import yaml
 
-from seqpar.memory.report import main
+from seqpar.memory.formulas import bytes_per_layer
+from seqpar.plan.memory_cli import main
 
 PAPER_PER_GPU = {"22B": ("59.25", "9.56"), "175B": ("66.84", "12.35"), "530B": ("114.02", "23.08"),
                  "1T": ("131.25", "26.56")}
@@ -60,6 +61,25 @@ def test_measured_bytes_match_formulas(tmp_path, capsys):
         assert len(row) == 6 and abs(float(row[5]) - 1) <= 0.02, row
 
 
+def test_measure_runs_the_configured_attention_kernel(tmp_path, capsys):
+    """``model.attention: sdpa`` is measured as sdpa (on CPU at dropout 0.1: PyTorch's composite math
+    kernel, in fp32) and compared with that kernel's formula, not Table 2's math attention."""
+    cfg = tmp_path / "demo-sdpa.yaml"
+    cfg.write_text(yaml.safe_dump({"model": {"vocab_size": 512, "seq_len": 256, "hidden": 256, "heads": 8,
+                                             "layers": 2, "attention": "sdpa"},
+                                   "parallel": {"tp": 2}, "train": {"micro_batch": 2}}))
+    assert main([str(cfg), "--measure"]) == 0
+    captured = capsys.readouterr()
+    assert "sdpa attention (sdpa-math kernel on CPU)" in captured.err
+    section = _sections(captured.out)["DEMO-SDPA"]
+    assert "formula, sdpa-math attention (bytes)" in section
+    for label in ("TP (baseline)", "TP + SP", "TP + selective", "TP + SP + selective", "full recompute"):
+        row = _row(section, label)
+        assert len(row) == 7 and abs(float(row[6]) - 1) <= 0.02, row
+    table2 = bytes_per_layer("tp", s=256, b=2, h=256, a=8, t=2)  # what math attention keeps
+    assert int(_row(section, "TP (baseline)")[4].replace(",", "")) > 1.3 * table2  # fp32 scores and Q, K, V
+
+
 def test_missing_config_names_the_path(tmp_path, capsys):
     missing = tmp_path / "no-such-model.yaml"
     assert main([str(missing)]) == 2
@@ -112,8 +132,8 @@ def test_measured_first_pipeline_stage_matches_section_4_2_3(tmp_path):
     """pp > 1 (what ``seqpar memory CONFIG --measure`` adds): the first stage's peak during one
     interleaved step, on p x t gloo ranks, equals L (1 + (p-1)/(pm)) layers' worth of Table 2
     (1F1B's L layers: tests/test_pipeline.py)."""
-    from seqpar.memory.pipeline_measure import first_stage_table, measure_first_stage
-    from seqpar.memory.report import RANK_TIMEOUT_S, load_entry
+    from seqpar.plan.memory_cli import load_entry
+    from seqpar.plan.memory_measure import RANK_TIMEOUT_S, first_stage_table, measure_first_stage
     cfg = tmp_path / "pp.yaml"
     cfg.write_text(yaml.safe_dump({"model": {**TINY["model"], "layers": 4}, "train": {"micro_batch": 1},
                                    "parallel": {"tp": 2, "pp": 2, "virtual_stages": 2}}))

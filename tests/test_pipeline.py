@@ -15,7 +15,7 @@ from seqpar.memory import bytes_per_layer
 from seqpar.memory.formulas import first_stage_bytes
 from seqpar.model import GPT, GPTConfig
 from seqpar.parallel import build_pipeline, build_stage_modules, check_stage_split, local_stage_indices, resolve_schedule, stage_layers
-from seqpar.parallel.memory import PeakActivationLedger, layers_in_flight
+from seqpar.memory import PeakActivationLedger, layers_in_flight
 from seqpar.train.optim import clip_grad_norm_tp
 from seqpar.train.precision import Precision
 

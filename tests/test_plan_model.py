@@ -8,7 +8,8 @@ from seqpar.model.config import GPTConfig
 from seqpar.plan.gpus import GIB, GPUS, custom_gpu, get_gpu
 from seqpar.plan.kernels import all_reduce_seconds, gather_seconds, gemm_seconds
 from seqpar.plan.layout import Layout, Recompute, check_layout, parse_layout
-from seqpar.plan.memory import STATE_BYTES, inflight_layers, memory_per_gpu, stage_params
+from seqpar.memory.params import stage_params
+from seqpar.plan.memory import inflight_layers, memory_per_gpu
 from seqpar.plan.paper import paper_run
 from seqpar.plan.timing import layer_times, step_time
 
@@ -52,7 +53,7 @@ def test_parameters_of_the_paper_models():
     for name, billions in (("175b", 175), ("530b", 530), ("1t", 1000)):
         run = paper_run(name)
         layout = replace(run.layout, pp=1, virtual_stages=1)  # one stage holds everything, per TP rank
-        total = stage_params(run.model, layout, 0) * run.layout.tp
+        total = stage_params(run.model, t=layout.tp) * run.layout.tp
         assert total == pytest.approx(billions * 1e9, rel=0.03), name
 
 
@@ -60,13 +61,15 @@ def test_state_bytes_and_fsdp_sharding():
     run = paper_run("175b")
     layout = run.layout
     mem = memory_per_gpu(run.model, layout, A100.hbm_bytes, 64)
-    params = stage_params(run.model, layout, 0)
-    assert mem.parts["weights"] + mem.parts["gradients"] + mem.parts["optimizer"] == 20 * params
-    assert sum(STATE_BYTES["fp32"]) == 16
+    params = stage_params(run.model, t=layout.tp, pp=layout.pp, stage=mem.stage)
+    kept = mem.parts["parameters"] + mem.parts["gradients"] + mem.parts["optimizer"]
+    assert kept == 16 * params and mem.parts["state_during_step"] == 4 * params  # bf16 recipe: the bf16 copies
     fsdp = replace(layout, pp=4, dp=2, data_parallel="fsdp")
     sharded = memory_per_gpu(run.model, fsdp, A100.hbm_bytes, 64)
-    assert sharded.parts["optimizer"] == pytest.approx(8 * stage_params(run.model, fsdp, 0) / 2)
-    assert sharded.parts["fsdp_unsharded"] > 0
+    shard = stage_params(run.model, t=fsdp.tp, pp=fsdp.pp, stage=sharded.stage)
+    assert sharded.parts["optimizer"] == pytest.approx(8 * shard / 2)
+    assert sharded.parts["parameters"] == pytest.approx(4 * shard / 2)  # no whole-model bf16 copies under fsdp
+    assert sharded.parts["state_during_step"] > 0  # the gathered units
 
 
 def test_first_stage_in_flight_is_the_papers_interleave_factor():

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from .. import flops
+from ..model.modes import RECOMPUTE_MODES
 from .peer import BenchShape
 from .runner import PEERS, run_spawned
 
@@ -43,7 +44,7 @@ def _parse(argv):
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.recompute = [r.strip() for r in args.recompute.split(",") if r.strip()]
-    bad = [s for s in args.systems if s not in PEERS] + [r for r in args.recompute if r not in ("none", "selective", "full")]
+    bad = [s for s in args.systems if s not in PEERS] + [r for r in args.recompute if r not in RECOMPUTE_MODES]
     if bad or "seqpar" not in args.systems:
         p.error(f"unknown systems/recompute modes {bad}; systems are {sorted(PEERS)} (seqpar must be included)")
     return args

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 
 from ..memory import ActivationLedger
+from ..model.modes import RECOMPUTE_MODES
 from .peer import BenchShape, Recompute
 
 
@@ -187,8 +188,8 @@ class DTensorPeer:
 
     def build(self, shape: BenchShape, dense_state: dict[str, torch.Tensor], *, tp_group, tp_rank: int,
               tp_size: int, recompute: Recompute, sequence_parallel: bool = True) -> None:
-        if recompute not in ("none", "selective", "full"):
-            raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         bad = [f"{n} ({getattr(shape, n)})" for n in ("heads", "hidden", "vocab_size") if getattr(shape, n) % tp_size]
         if sequence_parallel and shape.seq_len % tp_size:
             bad.append(f"seq_len ({shape.seq_len})")

@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..memory import ActivationLedger
+from ..model.modes import RECOMPUTE_MODES
 from ..sharding import copy_into, interleave
 from .peer import BenchShape, Recompute
 
@@ -199,8 +200,8 @@ class MegatronPeer:
 
     def build(self, shape: BenchShape, dense_state: dict[str, torch.Tensor], *, tp_group, tp_rank: int,
               tp_size: int, recompute: Recompute, sequence_parallel: bool = True) -> None:
-        if recompute not in ("none", "selective", "full"):
-            raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {recompute!r}")
+        if recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         if shape.dtype not in _DTYPES:
             raise ValueError(f"MegatronPeer: dtype must be one of {tuple(_DTYPES)}, got {shape.dtype!r}")
         self.cpu = not (torch.cuda.is_available() and dist.get_backend() == "nccl")

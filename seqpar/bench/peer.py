@@ -5,11 +5,11 @@ so their step-0 losses agree."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
-Recompute = Literal["none", "selective", "full"]
+from ..model.modes import RecomputeMode as Recompute
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable, Literal
 
 from ..model.config import GPTConfig
+from ..model.modes import DATA_PARALLEL_MODES, PRECISION_SETTINGS, DataParallelMode, PrecisionSetting
 from . import loader
 from .shipped import resolve_config
 
@@ -55,7 +56,7 @@ class ParallelConfig:
     # how gradients (and state) are shared over dp: "fsdp" shards parameters, gradients and AdamW
     # state over dp (FSDP2 fully_shard per block and on the root); "ddp" replicates them and
     # all-reduces gradients. None = fsdp when dp > 1 (with dp = 1 nothing is sharded either way)
-    data_parallel: Literal["ddp", "fsdp"] | None = None
+    data_parallel: DataParallelMode | None = None
     # fsdp: free the gathered parameters after each block's forward and gather them again for its
     # backward (ZeRO-3-like, least memory) or keep them until backward (ZeRO-2-like, fewer gathers)
     reshard_after_forward: bool = True
@@ -68,7 +69,7 @@ class ParallelConfig:
             check_at_least(f"parallel.{name}", getattr(self, name), 1)
         check_number("parallel.timeout_minutes", self.timeout_minutes, "> 0")
         if self.data_parallel is not None:
-            check_choice("parallel.data_parallel", self.data_parallel, ("ddp", "fsdp"))
+            check_choice("parallel.data_parallel", self.data_parallel, DATA_PARALLEL_MODES)
         if self.pp_schedule is not None:
             check_choice("parallel.pp_schedule", self.pp_schedule, ("1F1B", "Interleaved1F1B", "GPipe"))
 
@@ -107,7 +108,7 @@ class TrainConfig:
     seed: int = 1234
     # fp32 | bf16 (the paper: bf16 compute on fp32 master weights, fp32 grads and AdamW) |
     # bf16-autocast (torch.autocast over fp32 parameters) | auto (bf16 on CUDA, fp32 on CPU)
-    precision: Literal["auto", "fp32", "bf16", "bf16-autocast"] = "auto"
+    precision: PrecisionSetting = "auto"
     log_interval: int = 10
     eval_interval: int = 50      # 0 disables
     eval_batches: int = 4
@@ -131,7 +132,7 @@ class TrainConfig:
         for name, rule in (("beta1", "in [0, 1)"), ("beta2", "in [0, 1)"), ("weight_decay", ">= 0"),
                            ("grad_clip", ">= 0")):
             check_number(f"train.{name}", getattr(self, name), rule)
-        check_choice("train.precision", self.precision, ("auto", "fp32", "bf16", "bf16-autocast"))
+        check_choice("train.precision", self.precision, PRECISION_SETTINGS)
         check_choice("train.nonfinite_grads", self.nonfinite_grads, ("stop", "skip"))
         if self.memory_budget_gib is not None:
             check_number("train.memory_budget_gib", self.memory_budget_gib, "> 0")

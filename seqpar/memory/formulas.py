@@ -25,6 +25,7 @@ from typing import Literal, get_args
 from .. import config
 from ..config import ParallelConfig, TrainConfig, resolve_config, shipped_dir
 from ..model.config import GPTConfig
+from .schedule import interleave_factor as _interleave
 
 Technique = Literal["none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "full"]
 TECHNIQUES: tuple[Technique, ...] = get_args(Technique)
@@ -158,16 +159,11 @@ def attention_score_share(*, s: int, h: int, a: int) -> float:
     return float(r / (34 + r))
 
 
-def _interleave(p: int, m: int) -> Fraction:
-    if p < 1 or m < 1:
-        raise ValueError(f"pipeline size p and chunks m must be >= 1, got p={p}, m={m}")
-    return Fraction(1) if m == 1 else 1 + Fraction(p - 1, p * m)
-
-
 def interleave_factor(p: int, m: int = 1) -> float:
     """Extra first-stage memory of the interleaved schedule, 1 + (p-1)/(pm) (§4.2.3).
 
-    ``m == 1`` means the plain (non-interleaved) 1F1B schedule: factor 1.
+    ``m == 1`` means the plain (non-interleaved) 1F1B schedule: factor 1. The layers in flight of
+    every stage and schedule: :mod:`seqpar.memory.schedule`.
     """
     return float(_interleave(p, m))
 
@@ -181,21 +177,35 @@ def first_stage_bytes(per_layer: Number, *, L: int, p: int, m: int = 1) -> Numbe
     return _out(Fraction(per_layer) * L * _interleave(p, m))
 
 
+def outside_layer_terms(*, s: int, b: int, h: int, v: int, t: int, rep: int, act: int = 2, dropout: bool = True,
+                        in_flight: int = 1, first: bool = True, last: bool = True) -> dict[str, Fraction]:
+    """§4.3's activations outside the transformer layers on one GPU, in bytes: on the ``first``
+    stage the embedding dropout mask (1 byte, sbh/rep per micro-batch, ``in_flight`` of them; none
+    without ``dropout``); on the ``last`` the final LayerNorm input and the output-layer input
+    (``act``-byte activations, 2sbh/rep each at 2 bytes) and the fp32 logits (4sbv/t, ``v`` the
+    rows the output layer has). ``rep``: what the replicated region is split by (t under SP, else 1)."""
+    sbh, u = Fraction(s * b * h), Fraction(act, 2)
+    out: dict[str, Fraction] = {}
+    if first and dropout:
+        out["embedding_dropout_mask"] = sbh * in_flight / rep
+    if last:
+        out["final_layernorm_input"] = 2 * sbh * u / rep
+        out["output_layer_input"] = 2 * sbh * u / rep
+        out["logits_fp32"] = Fraction(4 * s * b * v, t)
+    return out
+
+
 def extra_bytes(*, s: int, b: int, h: int, v: int, t: int, p: int) -> dict[str, Number]:
-    """Activations outside the transformer layers (§4.3), per GPU, in bytes.
+    """Activations outside the transformer layers (§4.3), per GPU, in bytes, as the paper counts
+    them (:func:`outside_layer_terms` with SP and dropout on, 16-bit activations).
 
     The embedding dropout mask (sbhp/t, on the first stage for p in-flight micro-batches) and,
     only on the stage holding the output layer, the final LayerNorm input (2sbh/t), the output
     layer input (2sbh/t) and the fp32 logits for the cross-entropy (4sbv/t).
     """
     _check_dims(s=s, b=b, h=h, v=v, t=t, p=p)
-    sbh = s * b * h
-    return {
-        "embedding_dropout_mask": _out(Fraction(sbh * p, t)),
-        "final_layernorm_input": _out(Fraction(2 * sbh, t)),
-        "output_layer_input": _out(Fraction(2 * sbh, t)),
-        "logits_fp32": _out(Fraction(4 * s * b * v, t)),
-    }
+    terms = outside_layer_terms(s=s, b=b, h=h, v=v, t=t, rep=t, in_flight=p)
+    return {name: _out(x) for name, x in terms.items()}
 
 
 @dataclass(frozen=True)

@@ -80,9 +80,12 @@ class ActivationLedger:
     def _ptr(t: torch.Tensor) -> int:
         return _local(t).untyped_storage().data_ptr()
 
+    def _weights(self) -> set[int]:
+        """Storages of the parameters, buffers and ``exclude`` tensors the model holds now."""
+        return {self._ptr(w) for w in (*self.model.parameters(), *self.model.buffers(), *self._exclude)}
+
     def __enter__(self) -> "ActivationLedger":
-        weights = [*self.model.parameters(), *self.model.buffers(), *self._exclude]
-        self._skip = {self._ptr(w) for w in weights}
+        self._skip = self._weights()
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post(), always_call=True))
@@ -99,8 +102,10 @@ class ActivationLedger:
     def _pre(self, name):
         def hook(module, args, kwargs):
             self._stack.append(name)
-            for w in module.parameters(recurse=False):  # FSDP2: the gathered copies it just swapped in
-                self._skip.add(self._ptr(w))
+            # FSDP2 swaps gathered copies in before a unit's forward and frees them after it: the
+            # weights are those held now, or an activation reusing a freed copy's address would
+            # be taken for a weight
+            self._skip = self._weights()
             m = self._layer_re.match(name)
             if m and m.group(2) is None:  # a transformer layer itself: remember its input
                 first = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)

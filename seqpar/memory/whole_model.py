@@ -6,8 +6,8 @@ dropout off keeps no masks (and with attention dropout off the softmax output is
 dropout output); fp32 activations take 4 bytes where Table 2 counts 2; full recompute keeps one
 input per checkpointed unit of layers; and the §4.3 terms outside the layers (embedding dropout
 mask, final LayerNorm input, output-layer input, fp32 logits) are added. A per-layer list
-(``model.recompute_layers``) sums each layer's own mode, a full layer keeping its input. LayerNorm statistics
-and integer token ids are small and left out, as in the paper.
+(``model.recompute_layers``) sums each layer's own mode, a full layer keeping its input. LayerNorm
+statistics and integer token ids are small and left out, as in the paper.
 
 The Llama family generalises three terms (derivation in ``docs/memory.md``): RMSNorm keeps its
 input like LayerNorm (only the small per-token statistics differ: no mean); grouped-query
@@ -15,7 +15,8 @@ attention keeps K and V of ``g`` heads, ``2sbh g/a`` each; SwiGLU keeps the fuse
 (``4sbf``) where GeLU keeps its input (``2sbf``), and both keep the fc2 input (``2sbf``), with
 the MLP width ``f`` from the config. RoPE adds nothing: it runs outside the selectively
 recomputed region and returns the Q, K, V that attention keeps anyway. The fp32 logits have the
-padded vocabulary's columns.
+padded vocabulary's columns. What the attention core keeps depends on its kernel
+(:func:`attention_kernel`; ``docs/memory.md``, "Per attention kernel").
 """
 from __future__ import annotations
 
@@ -23,66 +24,99 @@ from fractions import Fraction
 
 from ..model.config import GPTConfig
 from ..recompute import full_recompute_plan
+from .formulas import _SCORE_TERMS, _sbh_terms, outside_layer_terms
 
 
-def _layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: bool) -> dict[str, Fraction]:
-    """One layer's kept tensors in bytes (Table 2's derivation, PAPER.md), as this config runs."""
-    h, a = cfg.hidden, cfg.heads
-    sbh, scores = Fraction(s * b * h), Fraction(a * s * s * b)
-    kv, ffn = Fraction(cfg.num_kv_heads, a), Fraction(cfg.ffn_hidden, h)  # g/a and f/h
+def attention_kernel(cfg: GPTConfig, device: str = "cuda") -> str:
+    """What the attention core runs as, for the memory it keeps (``docs/memory.md``): ``"math"``
+    (seqpar's own, Table 2's ``[b, a, s, s]`` terms); ``"fused"`` (``attention: sdpa`` on CUDA's
+    flash / memory-efficient / cuDNN kernels, and on CPU's flash kernel without attention dropout:
+    output, logsumexp and RNG state, O(s) per head); ``"sdpa-math"`` (``sdpa`` on CPU with attention
+    dropout: PyTorch's composite math kernel, which computes in fp32)."""
+    if cfg.attention == "math":
+        return "math"
+    return "sdpa-math" if device == "cpu" and cfg.attention_dropout > 0 else "fused"
+
+
+def _core_terms(cfg: GPTConfig, kernel: str, *, sbh: Fraction, scores: Fraction, t: int, u: Fraction,
+                device: str) -> dict[str, Fraction]:
+    """What the attention core keeps when it is not recomputed, beyond Table 2's Q, K, V
+    (``sdpa-math`` replaces those); ``scores`` = a s^2 b elements, ``u`` = activation bytes / 2."""
+    if kernel == "fused":  # fp32 logsumexp [b, a, s]; with dropout the philox seed and offset (2 x int64)
+        out = {"attention_logsumexp": 4 * cfg.heads * (sbh / cfg.hidden) / t}
+        if cfg.attention_dropout > 0 and device != "cpu":
+            out["attention_rng_state"] = Fraction(16)
+        return out
+    if kernel == "sdpa-math":  # fp32 copies of Q and of K, V at all a heads; three fp32 score tensors
+        return {"qk": 8 * sbh / t, "v": 4 * sbh / t, "softmax_out": 4 * scores / t,
+                "softmax_dropout_mask": 4 * scores / t, "softmax_dropout_out": 4 * scores / t}
+    out = {}
+    for name, k in _SCORE_TERMS.items():
+        if name == "softmax_out" or cfg.attention_dropout > 0:
+            out[name] = k * scores * (1 if name.endswith("mask") else u) / t
+    return out
+
+
+def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: bool,
+                device: str = "cuda") -> dict[str, Fraction]:
+    """One layer's kept tensors in bytes as this config runs it on ``device``: Table 2's terms
+    (:func:`seqpar.memory.formulas.activation_breakdown`'s names) at ``act``-byte activations, the
+    dropout masks (1 byte) only with dropout; without selective recompute, what the attention
+    kernel (:func:`attention_kernel`) keeps: for math the ``[b, a, s, s]`` terms (the softmax-dropout
+    ones only with attention dropout)."""
+    sbh, scores = Fraction(s * b * cfg.hidden), Fraction(cfg.heads * s * s * b)
     rep = t if cfg.sequence_parallel else 1  # the terms plain TP leaves replicated: SP splits them too
     u = Fraction(act, 2)  # Table 2 counts 2-byte activations
-    terms = {
-        "layernorm_inputs": 4 * sbh * u / rep, "qkv_input": 2 * sbh * u / rep, "fc1_input": 2 * sbh * u / rep,
-        "q_k": (2 + 2 * kv) * sbh * u / t, "v": 2 * kv * sbh * u / t, "projection_input": 2 * sbh * u / t,
-        "fc2_input": 2 * ffn * sbh * u / t,
-    }
-    if cfg.mlp == "swiglu":
-        terms["swiglu_gate_up"] = 4 * ffn * sbh * u / t
-    else:
-        terms["gelu_input"] = 2 * ffn * sbh * u / t
-    if cfg.dropout > 0:
-        terms["dropout_masks"] = 2 * sbh / rep  # 1 byte each, post-attention and post-MLP
+    terms: dict[str, Fraction] = {}
+    for name, (k, shard) in _sbh_terms(cfg.hidden, cfg.heads, cfg.num_kv_heads, cfg.ffn_hidden, cfg.mlp).items():
+        if name.endswith("dropout_mask"):
+            if cfg.dropout > 0:
+                terms[name] = k * sbh / rep
+        else:
+            terms[name] = k * sbh * u / (t if shard == "tp" else rep)
     if not selective:
-        terms["softmax_output"] = 2 * scores * u / t
-        if cfg.attention_dropout > 0:
-            terms["softmax_dropout"] = (scores + 2 * scores * u) / t  # 1-byte mask + its output
+        terms.update(_core_terms(cfg, attention_kernel(cfg, device), sbh=sbh, scores=scores, t=t, u=u, device=device))
     return terms
 
 
-def _extra_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int) -> dict[str, Fraction]:
-    """§4.3: outside the layers (one pipeline stage holding both ends)."""
-    sbh, rep, u = Fraction(s * b * cfg.hidden), (t if cfg.sequence_parallel else 1), Fraction(act, 2)
-    terms = {"final_layernorm_input": 2 * sbh * u / rep, "output_layer_input": 2 * sbh * u / rep,
-             "logits_fp32": Fraction(4 * s * b * cfg.padded_vocab(t), t)}
-    if cfg.dropout > 0:
-        terms["embedding_dropout_mask"] = sbh / rep
-    return terms
+def outside_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, in_flight: int = 1, first: bool = True,
+                  last: bool = True) -> dict[str, Fraction]:
+    """§4.3 as this config runs it (:func:`seqpar.memory.formulas.outside_layer_terms`): the
+    logits have the padded vocabulary's columns; no embedding mask without dropout."""
+    return outside_layer_terms(s=s, b=b, h=cfg.hidden, v=cfg.padded_vocab(t), t=t,
+                                rep=t if cfg.sequence_parallel else 1, act=act, dropout=cfg.dropout > 0,
+                                in_flight=in_flight, first=first, last=last)
+
+
+def layer_bytes(cfg: GPTConfig, mode: str, *, s: int, b: int, t: int, act: int, device: str = "cuda") -> Fraction:
+    """Bytes one layer of ``cfg`` keeps for one micro-batch under recompute ``mode`` on ``device``;
+    ``full``: the input of a checkpointed unit (one per unit, however many layers it holds)."""
+    if mode == "full":
+        return Fraction(s * b * cfg.hidden * act, t if cfg.sequence_parallel else 1)
+    terms = layer_terms(cfg, s=s, b=b, t=t, act=act, selective=mode == "selective", device=device)
+    return sum(terms.values(), Fraction(0))
 
 
 def model_activation_bytes(cfg: GPTConfig, *, t: int, micro_batch: int, activation_bytes: int = 2,
-                           seq_len: int | None = None) -> dict[str, int]:
-    """Bytes one rank keeps for backward for one micro-batch of ``cfg`` at TP size ``t``:
-    ``{"layers": ..., "outside_layers": ..., "total": ...}``. ``activation_bytes``: 2 for bf16
-    activations, 4 for fp32 (dropout masks stay 1 byte)."""
-    s, b, L = seq_len or cfg.seq_len, micro_batch, cfg.layers
+                           seq_len: int | None = None, device: str = "cuda") -> dict[str, int]:
+    """Bytes one rank keeps for backward for one micro-batch of ``cfg`` at TP size ``t`` on a
+    ``device`` ("cuda" or "cpu": the attention kernel sdpa picks): ``{"layers": ..., "outside_layers":
+    ..., "total": ...}``. ``activation_bytes``: 2 for bf16 activations, 4 for fp32 (dropout masks stay
+    1 byte)."""
+    dims = dict(s=seq_len or cfg.seq_len, b=micro_batch, t=t, act=activation_bytes)
+    per = dict(dims, device=device)
     modes = cfg.layer_recompute()  # model.recompute_layers: one mode per layer, each full layer its own unit
     if modes is not None:
-        unit_input = Fraction(2 * s * b * cfg.hidden * activation_bytes, 2 * (t if cfg.sequence_parallel else 1))
-        per = {sel: sum(_layer_terms(cfg, s=s, b=b, t=t, act=activation_bytes, selective=sel).values())
-               for sel in (False, True)}
-        layers = sum(unit_input if m == "full" else per[m == "selective"] for m in modes)
+        layers = sum(layer_bytes(cfg, m, **per) for m in modes)
     elif cfg.recompute == "full":
-        runs = full_recompute_plan(L, cfg.recompute_method, cfg.recompute_num_layers)
-        unit_input = Fraction(2 * s * b * cfg.hidden * activation_bytes, 2 * (t if cfg.sequence_parallel else 1))
+        runs = full_recompute_plan(cfg.layers, cfg.recompute_method, cfg.recompute_num_layers)
         kept = sum(end - begin for begin, end, ckpt in runs if not ckpt)
-        per_layer = sum(_layer_terms(cfg, s=s, b=b, t=t, act=activation_bytes, selective=False).values())
-        layers = unit_input * sum(1 for *_, ckpt in runs if ckpt) + per_layer * kept
+        units = sum(1 for *_, ckpt in runs if ckpt)
+        layers = units * layer_bytes(cfg, "full", **per) + kept * layer_bytes(cfg, "none", **per)
     else:
-        selective = cfg.recompute == "selective"
-        layers = L * sum(_layer_terms(cfg, s=s, b=b, t=t, act=activation_bytes, selective=selective).values())
-    outside = sum(_extra_terms(cfg, s=s, b=b, t=t, act=activation_bytes).values())
+        layers = cfg.layers * layer_bytes(cfg, cfg.recompute, **per)
+    outside = sum(outside_terms(cfg, **dims).values())
     return {"layers": round(layers), "outside_layers": round(outside), "total": round(layers + outside)}
 
 
-__all__ = ["model_activation_bytes"]
+__all__ = ["attention_kernel", "layer_bytes", "layer_terms", "model_activation_bytes", "outside_terms"]

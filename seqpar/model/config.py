@@ -15,7 +15,7 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-RECOMPUTE_MODES = ("none", "selective", "full")  # what one layer can do (model.recompute_layers)
+from .modes import RECOMPUTE_METHODS, RECOMPUTE_MODES, RecomputeMethod, RecomputeMode
 
 
 def _finite_positive(v) -> bool:
@@ -77,12 +77,12 @@ class GPTConfig:
     vocab_multiple: int = 1        # embedding/output rows padded to a multiple of vocab_multiple x t
     sequence_parallel: bool = True # shard norms/dropout/residual along the sequence (needs t | seq)
     # auto: per-layer modes chosen by seqpar.plan.resolve_recompute under train.memory_budget_gib
-    recompute: Literal["none", "selective", "full", "auto"] = "selective"
-    recompute_method: Literal["uniform", "block"] = "uniform"  # full only: N-layer groups, or first N layers
+    recompute: Literal[RecomputeMode, "auto"] = "selective"
+    recompute_method: RecomputeMethod = "uniform"  # full only: N-layer groups, or first N layers
     recompute_num_layers: int = 1  # N for full recompute
     # per-layer modes, one per layer; when set they override recompute (each full layer is its own
     # checkpointed unit; recompute_method / recompute_num_layers are then unused)
-    recompute_layers: tuple[Literal["none", "selective", "full"], ...] | None = None
+    recompute_layers: tuple[RecomputeMode, ...] | None = None
     attention: Literal["math", "sdpa"] = "math"  # sdpa: PyTorch's fused kernels
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # parameter/activation dtype
 
@@ -126,8 +126,8 @@ class GPTConfig:
             raise ValueError(f"GPTConfig.layernorm_eps must be a finite number > 0, got {self.layernorm_eps!r}")
         if not 0 <= self.init_std < float("inf"):
             raise ValueError(f"GPTConfig.init_std must be a finite number >= 0, got {self.init_std!r}")
-        choices = {"activation": ("gelu", "gelu_tanh"), "recompute": ("none", "selective", "full", "auto"),
-                   "recompute_method": ("uniform", "block"), "attention": ("math", "sdpa"), "dtype": tuple(DTYPES),
+        choices = {"activation": ("gelu", "gelu_tanh"), "recompute": (*RECOMPUTE_MODES, "auto"),
+                   "recompute_method": RECOMPUTE_METHODS, "attention": ("math", "sdpa"), "dtype": tuple(DTYPES),
                    "norm": ("layernorm", "rmsnorm"), "position": ("learned", "rope"), "mlp": ("gelu", "swiglu")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -2,7 +2,8 @@
 from .data_parallel import DataParallel, state_bytes
 from .fsdp import apply_fsdp
 from .grads import clip_grad_norm_pp, sum_tied_grads, tied_embedding_group
-from .memory import PeakActivationLedger, layers_in_flight
+from ..memory.peak import PeakActivationLedger  # re-exported: the pipeline's users measure with it
+from ..memory.schedule import layers_in_flight
 from .pipeline import SCHEDULES, PipelineParallel, build_pipeline, resolve_schedule
 from .stages import StageModule, build_stage_modules, check_stage_split, local_stage_indices, stage_layers
 from .timing import StepTiming, ideal_bubble

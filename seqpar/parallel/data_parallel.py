@@ -19,9 +19,8 @@ from ..distributed.collectives import all_reduce_coalesced
 from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh
 from ..sharding import local_tensor
+from ..model.modes import DATA_PARALLEL_MODES
 from .fsdp import apply_fsdp, set_micro_batch, sync_sharded_sp_grads
-
-MODES = ("ddp", "fsdp")
 
 
 class DataParallel:
@@ -31,8 +30,8 @@ class DataParallel:
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, mode: str, *, precision: str = "fp32",
                  master_weights: bool = False, reshard_after_forward: bool = True):
-        if mode not in MODES:
-            raise ValueError(f"parallel.data_parallel must be one of {list(MODES)}, got {mode!r}")
+        if mode not in DATA_PARALLEL_MODES:
+            raise ValueError(f"parallel.data_parallel must be one of {list(DATA_PARALLEL_MODES)}, got {mode!r}")
         self.model, self.mesh, self.mode = model, mesh, mode
         self.sharded = mode == "fsdp" and mesh.dp_size > 1
         self.master_weights = master_weights  # ddp + the bf16 recipe: fp32 grads reduced here
@@ -99,4 +98,4 @@ def state_line(measured: dict[str, int]) -> str:
             f"gradients {mib['gradients']:.2f}, optimizer {mib['optimizer']:.2f})")
 
 
-__all__ = ["DataParallel", "MODES", "state_bytes", "state_line"]
+__all__ = ["DataParallel", "state_bytes", "state_line"]

@@ -21,7 +21,7 @@ from ..layers import column_parallel_linear, vocab_parallel_cross_entropy
 from ..model.config import GPTConfig
 from ..model.gpt import GPT
 from ..model.vocab import trim_rows
-from ..recompute import checkpoint, full_recompute_plan, layer_recompute_plan
+from ..recompute import RECOMPUTE_MODES, checkpoint, full_recompute_plan, layer_recompute_plan
 from .. import sharding
 
 STAGE_SEED_OFFSET = 7919  # stage i draws dropout masks from seed + i * offset (stage 0: the GPT's seed)
@@ -93,8 +93,8 @@ class StageModule(nn.Module):
         those per layer of the stage (each full layer checkpointed alone)."""
         n = len(self.blocks)
         if isinstance(mode, str):
-            if mode not in ("none", "selective", "full"):
-                raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {mode!r}")
+            if mode not in RECOMPUTE_MODES:
+                raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
             modes = [mode] * n
             self.runs = full_recompute_plan(n, method, num_layers) if mode == "full" else [(0, n, False)]
         else:

@@ -16,8 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..memory.formulas import load_sections
+from ..model.modes import RECOMPUTE_MODES
 from .gpus import GIB, GPUS, custom_gpu, get_gpu
-from .layout import MODES, Layout, Recompute, parse_layout
+from .layout import Layout, Recompute, parse_layout
 from .recompute import auto_recompute_layers, best_mix, stage_layer_ids
 from .report import breakdown, check_overrides, overrides, plot, table
 from .search import PAPER_SPACE, Candidate, Problem, SearchSpace, evaluate, search
@@ -73,7 +74,7 @@ def _config_recompute(sections: dict, layout: Layout, budget_gib: float, precisi
     if modes is None:
         return Recompute(model.recompute, model.recompute_method, model.recompute_num_layers)
     mine = [modes[i] for i in stage_layer_ids(model.layers, layout.pp, layout.virtual_stages, 0)]
-    return Recompute("mixed", counts=tuple((m, mine.count(m)) for m in MODES))
+    return Recompute("mixed", counts=tuple((m, mine.count(m)) for m in RECOMPUTE_MODES))
 
 
 def _config_layout(sections: dict, problem: Problem) -> Layout:

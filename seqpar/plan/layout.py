@@ -10,27 +10,27 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from ..model.config import GPTConfig
+from ..model.modes import (DATA_PARALLEL_MODES, RECOMPUTE_METHODS, RECOMPUTE_MODES, DataParallelMode, RecomputeMethod,
+                           RecomputeMode)
 
-Mode = Literal["none", "selective", "full"]
-MODES: tuple[Mode, ...] = ("none", "selective", "full")
-DataParallel = Literal["ddp", "fsdp"]
+Mode = RecomputeMode  # the planner's name for one layer's recompute mode
 
 
 @dataclass(frozen=True)
 class Recompute:
     """What each layer recomputes. ``counts`` (mixed only): layers per mode on every stage."""
 
-    kind: Literal["none", "selective", "full", "mixed"] = "selective"
-    method: Literal["uniform", "block"] = "uniform"  # full only
-    num_layers: int = 1                               # full only: N
-    counts: tuple[tuple[Mode, int], ...] = ()         # mixed only, e.g. (("none", 29), ("selective", 19))
+    kind: Literal[RecomputeMode, "mixed"] = "selective"
+    method: RecomputeMethod = "uniform"        # full only, as GPTConfig.recompute_method
+    num_layers: int = 1                        # full only: N, as GPTConfig.recompute_num_layers
+    counts: tuple[tuple[Mode, int], ...] = ()  # mixed only, e.g. (("none", 29), ("selective", 19))
 
     def per_stage(self, chunk: int, chunks: int = 1) -> dict[Mode, int]:
         """Layers of each mode on a stage of ``chunks`` model chunks of ``chunk`` layers each
         (``full`` block N: the first N layers of every chunk are full, the rest keep everything)."""
         n = chunk * chunks
         if self.kind == "mixed":
-            out = {m: 0 for m in MODES}
+            out = {m: 0 for m in RECOMPUTE_MODES}
             out.update(dict(self.counts))
             if sum(out.values()) != n:
                 raise ValueError(f"mixed recompute counts {dict(self.counts)} do not add up to {n} layers per stage")
@@ -38,7 +38,7 @@ class Recompute:
         if self.kind == "full" and self.method == "block":
             k = min(self.num_layers, chunk)
             return {"none": (chunk - k) * chunks, "selective": 0, "full": k * chunks}
-        return {m: (n if m == self.kind else 0) for m in MODES}
+        return {m: (n if m == self.kind else 0) for m in RECOMPUTE_MODES}
 
     def label(self) -> str:
         if self.kind == "mixed":
@@ -59,7 +59,7 @@ class Layout:
     micro_batch: int = 1
     sequence_parallel: bool = True
     recompute: Recompute = Recompute()
-    data_parallel: DataParallel = "ddp"
+    data_parallel: DataParallelMode = "ddp"
 
     @property
     def gpus(self) -> int:
@@ -96,6 +96,9 @@ def check_layout(layout: Layout, model: GPTConfig, gpus: int, global_batch: int,
         problems.append("sequence_parallel needs tp > 1")
     if layout.data_parallel == "fsdp" and layout.dp == 1:
         problems.append("data_parallel=fsdp needs dp > 1")
+    if layout.data_parallel == "fsdp" and layout.pp > 1:  # as the run config refuses it (seqpar.config.schema)
+        problems.append(f"data_parallel=fsdp with pp={layout.pp}: pipeline stages reduce their gradients over dp "
+                        f"themselves (ddp)")
     try:
         n = micro_batches(layout, global_batch)
         if layout.virtual_stages > 1 and n % layout.pp:
@@ -150,14 +153,14 @@ def parse_layout(text: str, gpus: int) -> Layout:
     if gpus % (tp * pp):
         raise ValueError(f"--layout tp={tp} pp={pp}: tp x pp = {tp * pp} does not divide --gpus {gpus}")
     kind = values.get("recompute", "selective")
-    if kind not in MODES:
-        raise ValueError(f"--layout recompute={kind!r}: expected one of {list(MODES)}")
+    if kind not in RECOMPUTE_MODES:
+        raise ValueError(f"--layout recompute={kind!r}: expected one of {list(RECOMPUTE_MODES)}")
     method = values.get("recompute_method", "uniform")
-    if method not in ("uniform", "block"):
-        raise ValueError(f"--layout recompute_method={method!r}: expected uniform or block")
+    if method not in RECOMPUTE_METHODS:
+        raise ValueError(f"--layout recompute_method={method!r}: expected one of {list(RECOMPUTE_METHODS)}")
     dpm = values.get("data_parallel", "ddp")
-    if dpm not in ("ddp", "fsdp"):
-        raise ValueError(f"--layout data_parallel={dpm!r}: expected ddp or fsdp")
+    if dpm not in DATA_PARALLEL_MODES:
+        raise ValueError(f"--layout data_parallel={dpm!r}: expected one of {list(DATA_PARALLEL_MODES)}")
     return Layout(tp=tp, pp=pp, dp=values.get("dp", gpus // (tp * pp)),
                   virtual_stages=values.get("virtual_stages", 1), micro_batch=values.get("micro_batch", 1),
                   sequence_parallel=values.get("sequence_parallel", tp > 1),

@@ -9,7 +9,7 @@ layers alone cost more than the best found. Bytes come from :func:`seqpar.plan.m
 the planner's own memory model, so the plan and the search agree by construction.
 
 FLOPs recomputed per layer and micro-batch: selective, the attention core 4bs^2h; full, the whole
-forward 24bsh^2 + 4bs^2h (Appendix A; :func:`seqpar.plan.dims.layer_forward_flops` for other shapes).
+forward 24bsh^2 + 4bs^2h (Appendix A; :func:`seqpar.flops.config_layer_forward_flops` for other shapes).
 """
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from pathlib import Path
 
 from ..config import ParallelConfig, RunConfig, TrainConfig
 from ..memory.formulas import load_sections
+from .. import flops
 from ..model.config import GPTConfig
-from . import dims
+from ..model.modes import RECOMPUTE_MODES
 from .gpus import GIB
 from .layout import Layout, Mode, Recompute
 from .memory import memory_per_gpu
@@ -28,8 +29,8 @@ from .memory import memory_per_gpu
 
 def recompute_flops(model: GPTConfig, micro_batch: int) -> dict[Mode, float]:
     """Forward FLOPs one layer repeats in backward for ``micro_batch`` sequences, per mode."""
-    dense, core = dims.layer_forward_flops(model, micro_batch)
-    return {"none": 0.0, "selective": core, "full": dense + core}
+    core = float(flops.config_core_forward_flops(model, B=micro_batch))
+    return {"none": 0.0, "selective": core, "full": float(flops.config_layer_forward_flops(model, B=micro_batch))}
 
 
 def _mixed(none: int, selective: int, full: int) -> Recompute:
@@ -82,7 +83,7 @@ def layer_modes(recompute: Recompute, layers: int, pp: int = 1, virtual_stages: 
     its layers, the full ones first, then selective, then none (earlier chunks stay in flight longer)."""
     chunk = layers // (pp * virtual_stages)
     counts = recompute.per_stage(chunk, virtual_stages)
-    order = [m for m in ("full", "selective", "none") for _ in range(counts[m])]
+    order = [m for m in reversed(RECOMPUTE_MODES) for _ in range(counts[m])]  # full, selective, none
     out: list[Mode] = ["none"] * layers
     for stage in range(pp):
         for mode, layer in zip(order, stage_layer_ids(layers, pp, virtual_stages, stage)):

@@ -9,10 +9,10 @@ from ..config import TrainConfig, load_run_config
 from ..model.config import GPTConfig
 from .gpus import GIB
 from .layout import Layout
+from .memory import STATE_PARTS
 from .recompute import layer_modes, resolve_recompute
 from .search import Candidate
 
-STATE_PARTS = ("weights", "gradients", "optimizer", "fsdp_unsharded")
 ACTIVATION_PARTS = ("activations", "outside_layers")
 
 

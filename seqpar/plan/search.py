@@ -15,13 +15,14 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from ..model.config import GPTConfig
+from ..model.modes import DATA_PARALLEL_MODES, RECOMPUTE_MODES
 from .gpus import GPU
 from .layout import Layout, Recompute, check_layout
 from .memory import Memory, memory_per_gpu
 from .recompute import best_mix
 from .timing import StepTime, step_time
 
-UNIFORM = ("none", "selective", "full")
+UNIFORM = RECOMPUTE_MODES
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class SearchSpace:
     tp: tuple[int, ...] | None = None
     sequence_parallel: tuple[bool, ...] = (True, False)
     recompute: tuple[str, ...] = UNIFORM  # add "mixed" for per-layer mixes
-    data_parallel: tuple[str, ...] = ("ddp", "fsdp")
+    data_parallel: tuple[str, ...] = DATA_PARALLEL_MODES
 
 
 # The paper's own choices (Table 3 / Table 5): t = 8, one node's GPUs, for every model; p, m, b, SP

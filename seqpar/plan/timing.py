@@ -39,11 +39,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..model.config import GPTConfig
+from .. import flops
+from ..memory.params import fc1_width, layer_params, qkv_width, stage_params
 from . import dims
 from .gpus import GPU
 from .kernels import all_reduce_seconds, gather_seconds, gemm_fwd_bwd, link_bandwidth, memory_seconds
 from .layout import Layout, Mode, micro_batches
-from .memory import ACTIVATION_BYTES, layer_params, stage_params
+from .memory import ACTIVATION_BYTES
 
 # grad-norm read 4, AdamW reads parameter, gradient, m, v (16) and writes parameter, m, v (12),
 # the bf16 compute copy reads 4 and writes 2, zeroing the fp32 gradients writes 4
@@ -73,7 +75,7 @@ def _elementwise_bytes(model: GPTConfig, layout: Layout, u: float) -> tuple[floa
     scores = b * model.heads * s * s / t
     mask = 1 if model.dropout > 0 else 0
     amask = 1 if model.attention_dropout > 0 else 0
-    act_f, act_b = ((3 * u, 5 * u) if dims.swiglu(model) else (2 * u, 3 * u))  # SwiGLU reads gate and up
+    act_f, act_b = ((3 * u, 5 * u) if model.mlp == "swiglu" else (2 * u, 3 * u))  # SwiGLU reads gate and up
     other_f = 2 * 2 * u * x + 2 * (3 * u + mask) * x + act_f * f
     other_b = 2 * 3 * u * x + 2 * (2 * u + mask) * x + act_b * f
     score_f = 2 * u * scores + amask * (2 * u + 1) * scores
@@ -108,9 +110,9 @@ def layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str = "bf
 def _layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str) -> LayerTimes:
     s, b, h, t, f = model.seq_len, layout.micro_batch, model.hidden, layout.tp, model.ffn_hidden
     sb, ps = s * b, _peak_scale(gpu, precision)
-    qkv = gemm_fwd_bwd(gpu, sb, dims.qkv_width(model) // t, h, 1, ps)
+    qkv = gemm_fwd_bwd(gpu, sb, qkv_width(model) // t, h, 1, ps)
     proj = gemm_fwd_bwd(gpu, sb, h, h // t, 1, ps)
-    fc1, fc2 = gemm_fwd_bwd(gpu, sb, dims.fc1_width(model) // t, h, 1, ps), gemm_fwd_bwd(gpu, sb, h, f // t, 1, ps)
+    fc1, fc2 = gemm_fwd_bwd(gpu, sb, fc1_width(model) // t, h, 1, ps), gemm_fwd_bwd(gpu, sb, h, f // t, 1, ps)
     heads, d = model.heads * b // t, model.head_dim
     scores, context = gemm_fwd_bwd(gpu, s, s, d, heads, ps), gemm_fwd_bwd(gpu, s, d, s, heads, ps)
     dense_f = sum(g[0] for g in (qkv, proj, fc1, fc2))
@@ -153,7 +155,7 @@ def _data_parallel_seconds(model: GPTConfig, layout: Layout, gpu: GPU, gpus_per_
     """Exposed data-parallel communication of one step (DDP buckets, or FSDP per micro-batch)."""
     if layout.dp == 1:
         return 0.0
-    params = max(stage_params(model, layout, 0), stage_params(model, layout, layout.pp - 1))
+    params = max(stage_params(model, t=layout.tp, pp=layout.pp, stage=r) for r in (0, layout.pp - 1))
     bw = link_bandwidth(gpu, intra_node=layout.tp * layout.dp <= gpus_per_node)
     if layout.data_parallel == "fsdp":
         per_micro = 2 * gather_seconds(2 * params, layout.dp, bw) + gather_seconds(4 * params, layout.dp, bw)
@@ -169,7 +171,7 @@ def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpu
     """Predicted seconds of one training step of ``layout`` (see the module docstring)."""
     n = micro_batches(layout, global_batch)
     p, m, t, b = layout.pp, layout.virtual_stages, layout.tp, layout.micro_batch
-    s, h, v, u = model.seq_len, model.hidden, dims.vocab_rows(model, t), ACTIVATION_BYTES[precision]
+    s, h, v, u = model.seq_len, model.hidden, model.padded_vocab(t), ACTIVATION_BYTES[precision]
     lt = layer_times(model, layout, gpu, precision)
     counts = layout.recompute.per_stage(model.layers // (p * m), m)
     backward_mb = sum(k * (lt.backward + lt.recompute[mode]) for mode, k in counts.items())
@@ -182,13 +184,13 @@ def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpu
         p2p_mb = 2 * m * (s * b * h * u / t / bw + gpu.p2p_latency)
     mb = layers_mb + logits_mb + p2p_mb  # the last stage, the slowest: it sets the pace
     shard = layout.dp if layout.data_parallel == "fsdp" else 1
-    params = max(stage_params(model, layout, 0), stage_params(model, layout, p - 1)) / shard
+    params = max(stage_params(model, t=t, pp=p, stage=r) for r in (0, p - 1)) / shard
     parts = {"layers": n * layers_mb, "logits": n * logits_mb, "p2p": n * p2p_mb,
              "bubble": (layers_mb + p2p_mb) * (p - 1) / m,  # filling and draining the other stages
              "data_parallel": _data_parallel_seconds(model, layout, gpu, gpus_per_node, mb, backward_mb, n),
              "optimizer": memory_seconds(gpu, params * OPTIMIZER_BYTES_PER_PARAM[precision])}
-    dense, core = dims.layer_forward_flops(model, b)
-    per_micro = 3 * (model.layers * (dense + core) + 2.0 * s * b * h * model.vocab_size)
-    recomputed = p * (counts["selective"] * core + counts["full"] * (dense + core))
+    layer, core = flops.config_layer_forward_flops(model, B=b), flops.config_core_forward_flops(model, B=b)
+    per_micro = flops.config_model_flops(model, B=b, t=t)
+    recomputed = p * (counts["selective"] * core + counts["full"] * layer)
     steps = n * layout.dp  # micro-batches of b sequences per step, all pipelines
     return StepTime(parts, per_micro * steps, (per_micro + recomputed) * steps, gpu.peak_flops * layout.gpus)

@@ -19,19 +19,18 @@ bf16 output (see :class:`seqpar.model.attention.CoreAttention`).
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Literal
+from typing import Iterator
 
 import torch
 import torch.nn as nn
 
-PrecisionName = Literal["auto", "fp32", "bf16", "bf16-autocast"]
-PRECISIONS: tuple[str, ...] = ("auto", "fp32", "bf16", "bf16-autocast")
+from ..model.modes import PRECISION_SETTINGS
 
 
 def resolve_precision(name: str, device: torch.device) -> str:
     """``auto`` -> ``bf16`` on CUDA, ``fp32`` elsewhere; other names are returned as given."""
-    if name not in PRECISIONS:
-        raise ValueError(f"train.precision must be one of {PRECISIONS}, got {name!r}")
+    if name not in PRECISION_SETTINGS:
+        raise ValueError(f"train.precision must be one of {PRECISION_SETTINGS}, got {name!r}")
     if name == "auto":
         return "bf16" if torch.device(device).type == "cuda" else "fp32"
     return name
@@ -110,4 +109,4 @@ class Precision:
             weights[name].grad = None
 
 
-__all__ = ["PRECISIONS", "Precision", "PrecisionName", "resolve_precision"]
+__all__ = ["Precision", "resolve_precision"]

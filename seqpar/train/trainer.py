@@ -38,7 +38,7 @@ from ..model import GPT
 from ..parallel.data_parallel import DataParallel, state_bytes, state_line
 from ..parallel.pipeline import check_microbatches, resolve_schedule
 from ..plan.recompute import resolve_recompute
-from .activations import ActivationProbe
+from ..memory.probe import ActivationProbe
 from ..data import Batch
 from ..checkpoint import open_checkpoint_dir
 from ..data import data_streams, load_corpus, tokenizer_attachment
@@ -182,7 +182,7 @@ class Trainer(TrainerCheckpoints):
         """Tokens and model FLOPs per optimizer step (whole world) against the device's peak."""
         tc, mc = self.tc, self.mc
         sequences = tc.micro_batch * self.accum * self.dp
-        step_flops = flops.model_flops(B=sequences, s=mc.seq_len, h=mc.hidden, L=mc.layers, v=mc.vocab_size)
+        step_flops = flops.step_model_flops(mc, sequences=sequences, t=self.mesh.tp_size)
         return Throughput(sequences * mc.seq_len, step_flops, self.mesh.world_size, flops.peak_flops(device_name()))
 
     # ---- one optimizer step --------------------------------------------------------------------

@@ -15,24 +15,14 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from ..distributed.local import run_local
+from ..memory.formulas import (PAPER_MODELS, ModelShape, bytes_per_layer, extra_bytes, gib, interleave_factor,
+                               load_sections, paper_config_dir, per_gpu_bytes, ratio_to_tp, shape_of)
+from ..memory.state import state_table
 from ..model.config import GPTConfig
-from .pipeline_measure import first_stage_table, measure_first_stage
-from .state import state_table
-from .formulas import (PAPER_MODELS, ModelShape, Technique, bytes_per_layer, extra_bytes, gib,
-                       interleave_factor, load_sections, paper_config_dir, per_gpu_bytes, ratio_to_tp,
-                       shape_of)
-
-# Table 2 row -> (label, GPTConfig.sequence_parallel, GPTConfig.recompute) that realises it
-ROWS: dict[Technique, tuple[str, bool, str]] = {
-    "tp": ("TP (baseline)", False, "none"),
-    "tp_sp": ("TP + SP", True, "none"),
-    "tp_selective": ("TP + selective", False, "selective"),
-    "tp_sp_selective": ("TP + SP + selective", True, "selective"),
-    "full": ("full recompute", False, "full"),
-}
-RANK_TIMEOUT_S = 120  # a rank stuck in a collective fails the run instead of hanging it
-RUN_TIMEOUT_S = 1800  # a measurement still running after this is killed
+from ..model.modes import DATA_PARALLEL_MODES, PRECISIONS
+from ..memory.whole_model import attention_kernel
+from .memory_measure import (RANK_TIMEOUT_S, ROWS, RUN_TIMEOUT_S, first_stage_table, measure, measure_first_stage,
+                             measured_formula, row_config)
 
 
 @dataclasses.dataclass
@@ -82,13 +72,18 @@ def estimate_bytes(e: Entry) -> int:
     return int(t * (acts + 2 * params))
 
 
-def table(shape: ModelShape, measured: dict[str, int] | None = None) -> str:
-    """A Markdown table for one model: formula bytes per technique, and measured ones if given."""
+def table(shape: ModelShape, measured: dict[str, int] | None = None, expected: dict[str, int] | None = None,
+          kernel: str = "math") -> str:
+    """A Markdown table for one model: formula bytes per technique, and measured ones if given,
+    against ``expected`` (the formula for the attention ``kernel`` they ran; default Table 2's)."""
     dims = dict(s=shape.s, b=shape.b, h=shape.h, a=shape.a, t=shape.t)
     factor = interleave_factor(shape.p, shape.m)
     lines = [f"### {shape.name}: s={shape.s} b={shape.b} h={shape.h} a={shape.a} L={shape.L} t={shape.t} "
              f"p={shape.p} m={shape.m} (per GPU = per layer x {shape.L} layers x interleave {factor:.4g})", ""]
     head = ["technique", "per layer (Table 2)", "per GPU", "% of TP"]
+    other_kernel = measured is not None and expected is not None and kernel != "math"
+    if other_kernel:
+        head += [f"formula, {kernel} attention (bytes)"]
     if measured is not None:
         head += ["measured per layer (bytes)", "measured / formula"]
     lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
@@ -99,46 +94,13 @@ def table(shape: ModelShape, measured: dict[str, int] | None = None) -> str:
         formula = bytes_per_layer(tech, **dims)
         row = [label, human(formula, unit), human(per_gpu_bytes(shape, tech), gpu_unit),
                f"{100 * ratio_to_tp(tech, **dims):.2f}%"]
+        if other_kernel:
+            formula = expected[tech]
+            row += [f"{formula:,}"]
         if measured is not None:
             row += [f"{measured[tech]:,}", f"{measured[tech] / formula:.4f}"]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines)
-
-
-def _rank_main(rank: int, t: int, base: GPTConfig, b: int) -> dict[str, list[int]]:
-    """One gloo rank: build the model once per technique and return each layer's saved bytes."""
-    import torch
-
-    from ..distributed import init_parallel
-    from ..model import GPT
-    from .ledger import ActivationLedger
-
-    mesh = init_parallel(tp=t, backend="gloo")  # over the group run_local started
-    out: dict[str, list[int]] = {}
-    for i, (tech, (label, sp, recompute)) in enumerate(ROWS.items()):
-        cfg = dataclasses.replace(base, dtype="bfloat16", attention="math", dropout=0.1, attention_dropout=0.1,
-                                  sequence_parallel=sp, recompute=recompute, recompute_method="uniform",
-                                  recompute_num_layers=1, recompute_layers=None)  # each row uniform
-        net = GPT(cfg, mesh, seed=0)
-        tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=torch.Generator().manual_seed(0))
-        with ActivationLedger(net) as ledger:
-            net(tokens, tokens)  # forward only: the ledger sees what backward would need
-        out[tech] = list(ledger.per_layer().values())
-        if rank == 0:
-            print(f"  [{i + 1}/{len(ROWS)}] {label}: {human(max(out[tech]))} per layer (rank 0)",
-                  file=sys.stderr, flush=True)
-        del net, ledger
-    return out
-
-
-def measure(e: Entry) -> dict[str, int]:
-    """Per-layer bytes each technique keeps (the largest over layers and ranks), on t gloo ranks.
-
-    Ranks are processes on this machine started by :func:`~seqpar.distributed.local.run_local`.
-    """
-    ranks = run_local(_rank_main, e.shape.t, e.model, e.shape.b, timeout=RUN_TIMEOUT_S,
-                      collective_timeout=RANK_TIMEOUT_S)
-    return {tech: max(max(r[tech]) for r in ranks) for tech in ROWS}
 
 
 def plot(shapes: Sequence[ModelShape], path: str | Path) -> None:
@@ -210,9 +172,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, metavar="T", help="override parallel.tp")
     p.add_argument("--dp", type=int, metavar="DP", help="also print the training state per rank at this "
                    "data-parallel size (parameters, gradients, AdamW)")
-    p.add_argument("--data-parallel", choices=("ddp", "fsdp"), help="with the state table: only this mode "
+    p.add_argument("--data-parallel", choices=DATA_PARALLEL_MODES, help="with the state table: only this mode "
                    "(default: both)")
-    p.add_argument("--precision", choices=("fp32", "bf16", "bf16-autocast"), help="with the state table: "
+    p.add_argument("--precision", choices=PRECISIONS, help="with the state table: "
                    "train.precision (default: bf16)")
     p.add_argument("--max-gib", type=float, default=2.0, metavar="GIB",
                    help="refuse --measure above this estimate of activations+weights (default 2)")
@@ -259,18 +221,22 @@ def main(argv: list[str]) -> int:
     for e in entries:
         measured = None
         if args.measure:
-            print(f"measuring {e.shape.name} on {e.shape.t} gloo rank(s): bf16, math attention, dropout 0.1 "
+            kernel = attention_kernel(row_config(e.model, "tp"), "cpu")
+            print(f"measuring {e.shape.name} on {e.shape.t} gloo rank(s): bf16, {e.model.attention} attention "
+                  f"({kernel} kernel on CPU), dropout 0.1 "
                   f"(~{gib(estimate_bytes(e)):.2f} GiB) ...", file=sys.stderr, flush=True)
             try:
-                measured = measure(e)
+                measured = measure(e.model, e.shape)
             except Exception as ex:  # a rank failed: its traceback is in the message
                 err(f"measuring {e.path} failed: {ex}")
                 return 1
-        print(table(e.shape, measured) + "\n", flush=True)
+        kernel = attention_kernel(row_config(e.model, "tp"), "cpu")
+        expected = measured_formula(e.model, e.shape) if measured is not None else None
+        print(table(e.shape, measured, expected, kernel) + "\n", flush=True)
         if args.measure and e.shape.p > 1 and not _print_first_stage(e):
             return 1
         if args.dp is not None or args.data_parallel or args.precision:
-            modes = [args.data_parallel] if args.data_parallel else ["ddp", "fsdp"]
+            modes = [args.data_parallel] if args.data_parallel else list(DATA_PARALLEL_MODES)
             layouts = [(args.dp or 1, mode) for mode in modes]
             print(state_table(e.model, t=e.shape.t, layouts=layouts, precision=args.precision or "bf16") + "\n",
                   flush=True)

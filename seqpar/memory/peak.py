@@ -1,20 +1,18 @@
 """Peak saved-activation bytes of a pipeline rank during a schedule step (micro-batches in flight).
 
-:class:`PeakActivationLedger` is an :class:`~seqpar.memory.ActivationLedger` that also follows
-each saved tensor's lifetime: a storage counts from the first time autograd saves it until the
-last graph node holding it is freed (after that micro-batch's backward), so the peak is what the
-schedule keeps at once. :func:`layers_in_flight` is the schedules' prediction (§4.2.3): with
-1F1B the first stage holds ``p`` micro-batches of ``L/p`` layers = ``L`` layers' worth; with the
-interleaved schedule ``mp + p - 1`` chunks of ``L/(pm)`` layers = ``L (1 + (p-1)/(pm))``.
+:class:`PeakActivationLedger` is an :class:`~seqpar.memory.ledger.ActivationLedger` that also
+follows each saved tensor's lifetime: a storage counts from the first time autograd saves it until
+the last graph node holding it is freed (after that micro-batch's backward), so the peak is what
+the schedule keeps at once. The prediction it is checked against is
+:func:`seqpar.memory.schedule.layers_in_flight` (§4.2.3).
 """
 from __future__ import annotations
 
 import weakref
-from fractions import Fraction
 
 import torch
 
-from ..memory.ledger import ActivationLedger, _local
+from .ledger import ActivationLedger, _local
 
 
 class _Held:
@@ -39,8 +37,11 @@ class PeakActivationLedger(ActivationLedger):
     >>> ledger.peak_layer_bytes
     """
 
-    def __init__(self, model: torch.nn.Module, **kwargs) -> None:
+    def __init__(self, model: torch.nn.Module, *, during_backward: bool = True, **kwargs) -> None:
+        """``during_backward=False`` leaves out what a recompute saves while backward runs (the
+        transient of one recomputed unit, which Table 2 and §4.2.3 do not count)."""
         super().__init__(model, **kwargs)
+        self._during_backward = during_backward
         self._live: dict[int, list] = {}  # storage ptr -> [holders, bytes, inside a layer]
         self.live_bytes = self.live_layer_bytes = self.peak_bytes = self.peak_layer_bytes = 0
 
@@ -57,6 +58,8 @@ class PeakActivationLedger(ActivationLedger):
         return m.group(1) if m else self._layer_inputs.get(ptr)
 
     def _pack(self, saved: torch.Tensor):
+        if not self._during_backward and torch._C._current_graph_task_id() != -1:  # a recompute's transient
+            return saved
         t = _local(saved)
         ptr, nbytes = self._ptr(t), t.untyped_storage().nbytes()
         if ptr in self._skip or nbytes == 0:
@@ -89,18 +92,4 @@ class PeakActivationLedger(ActivationLedger):
                 self.live_layer_bytes -= entry[1]
 
 
-def layers_in_flight(schedule: str, *, pp_rank: int, pp: int, virtual_stages: int, layers: int,
-                     n_microbatches: int) -> Fraction:
-    """Layers' worth of activations pipeline rank ``pp_rank`` holds at its peak: forward chunks
-    started before its first backward (1F1B: ``p - r``; interleaved, n a multiple of p:
-    ``(m-1)p + 2(p-1-r) + 1``; GPipe: all ``n``), each of ``L/(pm)`` layers."""
-    p, m, n = pp, virtual_stages, n_microbatches
-    if schedule == "GPipe":
-        chunks = n
-    elif schedule == "1F1B":
-        chunks = min(n, p - pp_rank)
-    else:
-        rounds = max(1, n // p)
-        warmup = min((m - 1) * (n // rounds) + 2 * (p - 1 - pp_rank), n * m)
-        chunks = min(warmup + 1, n * m)
-    return Fraction(layers, p * m) * chunks
+__all__ = ["PeakActivationLedger"]

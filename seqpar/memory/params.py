@@ -1,0 +1,58 @@
+"""Parameters one GPU holds, counted from a ``GPTConfig`` (GPT-2 and Llama families alike).
+
+Per TP rank: each layer's QKV (``h + 2gd`` columns with ``g`` key/value heads of dim ``d``),
+projection and MLP matrices split ``t`` ways (SwiGLU's fc1 is the fused gate and up, ``2f``
+columns), their column biases too; norms and row biases whole. The token embedding's rows are the
+vocabulary padded for ``t`` (:meth:`GPTConfig.padded_vocab`), split ``t`` ways, on the first
+stage with the learned position table (whole); the final norm, and an output matrix of the same
+size where it is not tied to the embedding (or with ``p > 1``), on the last stage.
+"""
+from __future__ import annotations
+
+from ..model.config import GPTConfig
+
+
+def qkv_width(model: GPTConfig) -> int:
+    """Output columns of the fused QKV projection, all TP ranks together: h + 2 g d."""
+    return model.hidden + 2 * model.num_kv_heads * model.head_dim
+
+
+def fc1_width(model: GPTConfig) -> int:
+    """Output columns of the first MLP projection: 2f for SwiGLU (gate and up), else f."""
+    return (2 if model.mlp == "swiglu" else 1) * model.ffn_hidden
+
+
+def norm_params(model: GPTConfig) -> int:
+    """Parameters of one normalisation layer: weight, plus bias for a biased LayerNorm."""
+    return model.hidden * (2 if (model.norm == "layernorm" and model.bias) else 1)
+
+
+def layer_params(model: GPTConfig, t: int) -> int:
+    """Parameters of one transformer layer held by one TP rank."""
+    h, f = model.hidden, model.ffn_hidden
+    qkv, fc1 = qkv_width(model), fc1_width(model)
+    weights = (h * qkv + h * h + h * fc1 + f * h) // t
+    biases = (qkv + fc1) // t + 2 * h if model.bias else 0  # column biases split, row biases whole
+    return weights + biases + 2 * norm_params(model)
+
+
+def root_params(model: GPTConfig, t: int, *, first: bool = True, last: bool = True, pp: int = 1) -> int:
+    """Parameters outside the layers on one TP rank of a stage holding the ``first`` and / or
+    ``last`` ends of the model: embedding (+ positions), final norm, untied output matrix."""
+    vocab = model.padded_vocab(t) * model.hidden // t
+    n = 0
+    if first:
+        n += vocab + (model.seq_len * model.hidden if model.position == "learned" else 0)
+    if last:
+        n += norm_params(model) + (vocab if (pp > 1 or not model.tie_embeddings) else 0)
+    return n
+
+
+def stage_params(model: GPTConfig, *, t: int, pp: int = 1, stage: int = 0) -> int:
+    """Parameters held by one GPU of pipeline stage ``stage`` (0 = first) of ``pp``, before any
+    dp sharding: its ``L/pp`` layers plus the ends of the model it holds."""
+    layers = layer_params(model, t) * model.layers // pp
+    return layers + root_params(model, t, first=stage == 0, last=stage == pp - 1, pp=pp)
+
+
+__all__ = ["fc1_width", "layer_params", "norm_params", "qkv_width", "root_params", "stage_params"]
