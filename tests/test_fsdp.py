@@ -52,8 +52,7 @@ def _curve(trainer: Trainer, steps: int) -> list[tuple[float, float]]:
 def _sp_grads(trainer: Trainer, every: bool = False) -> dict[str, torch.Tensor]:
     """This rank's part of every SP-replicated gradient (``every``: of every gradient) after one
     step's backward and reductions."""
-    trainer.forward_backward(trainer.micro_batches(0))
-    trainer.data_parallel.after_backward()
+    trainer.forward_backward(trainer.micro_batches(0))  # the engine reduces the grads too
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     params = list(trainer.model.parameters()) if every else sp_replicated_parameters(trainer.model)
     out = {names[id(p)]: local_tensor(p.grad).clone() for p in params}

@@ -9,7 +9,8 @@ from gpt_helpers import batch, loss_and_dense_grads, mesh_for, tiny_config
 
 from seqpar.layers import VocabParallelEmbedding
 from seqpar.model import GPT
-from seqpar.train.optim import build_optimizer, clip_grad_norm_tp, lr_at
+from seqpar.parallel.grads import clip_grad_norm
+from seqpar.train.optim import build_optimizer, lr_at
 
 
 def _clip_at_tp2(rank, world, max_norm):
@@ -17,7 +18,7 @@ def _clip_at_tp2(rank, world, max_norm):
     cfg = tiny_config(dtype="float64", tie_embeddings=False)
     model = GPT(cfg, mesh_for(tp_group_of(2)), seed=5)
     loss_and_dense_grads(model, *batch(cfg, b=2, seed=1))
-    norm = clip_grad_norm_tp(model, max_norm, model.tp_group)
+    norm = clip_grad_norm(model, max_norm, tp_group=model.tp_group)
     return float(norm), model.to_dense({n: p.grad for n, p in model.named_parameters()})
 
 

@@ -35,8 +35,7 @@ def _run(tmp: Path, tp: int, pp: int, save_at: int | None = None, **extra) -> di
             if step + 1 == save_at:
                 trainer.save(save_at)
         out["eval"] = trainer.evaluate()
-        if trainer.pipeline is not None:
-            out["lines"] = (trainer.pipeline.memory_line(), trainer.pipeline.bubble_line())
+        out["lines"] = (trainer.engine.memory_line(), trainer.engine.log_lines())
     finally:
         trainer.close()
     return out
@@ -82,7 +81,7 @@ def test_pipeline_training_equals_one_stage_and_resumes_at_another_pp(spawn, tmp
     # the pipeline checkpoint (step 3) continues at p = 1 as the pipeline run did
     assert ref["resumed"]["start"] == 3
     assert ref["resumed"]["losses"] == pytest.approx(got["t2p2"]["losses"][3:], abs=1e-5)
-    memory, bubble = got["t2p2"]["lines"]
+    memory, (bubble,) = got["t2p2"]["lines"]
     assert memory.startswith("activations: ") and "pipeline stage 0" in memory and "ratio" in memory
     assert "pipeline bubble" in bubble and "(p-1)/(m n) = 0.250" in bubble
 

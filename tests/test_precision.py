@@ -127,8 +127,7 @@ def _activation_lines(rank, world, tmp):
             trainer = Trainer(cfg, mesh=mesh)
             try:
                 losses = [trainer.train_step(s).loss for s in range(2)]
-                line = trainer.activations.line(trainer.mc, t=2, micro_batch=4,
-                                                activation_bytes=trainer.precision.activation_bytes)
+                line = trainer.engine.memory_line()  # the line the first step prints
                 dtypes = {p.dtype for p in trainer.model.parameters()} | {
                     s["exp_avg"].dtype for s in trainer.optimizer.state.values()}
             finally:

@@ -14,7 +14,7 @@ from seqpar.distributed.regions import copy_to_tp
 from seqpar.layers import ColumnParallelLinear, RowParallelLinear
 from seqpar.model import GPT, GPTConfig
 from seqpar.sharding import ParamLayout, interleave, mark_sp_replicated, param_layouts, shard, to_dense, to_local
-from seqpar.train.optim import clip_grad_norm_tp
+from seqpar.parallel.grads import clip_grad_norm
 
 from distributed_harness import tp_group_of
 
@@ -76,7 +76,7 @@ def _fused_layer_rank(rank, world):
     gathered = to_dense(model, params, group)
     round_trip = to_local(model, gathered, group)
     grads = to_dense(model, {n: p.grad for n, p in params.items()}, group)
-    norm = float(clip_grad_norm_tp(model, 0.5, group))
+    norm = float(clip_grad_norm(model, 0.5, tp_group=group))
     clipped = to_dense(model, {n: p.grad for n, p in params.items()}, group)
     return dict(out=out.detach(), gathered=gathered, round_trip_ok=all(torch.equal(round_trip[n], params[n].detach())
                                                                       for n in params),

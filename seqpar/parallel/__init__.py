@@ -1,7 +1,7 @@
 """Parallelism applied from outside the model: FSDP2 or DDP over ``dp``, pipeline stages over ``pp``."""
 from .data_parallel import DataParallel, state_bytes
 from .fsdp import apply_fsdp
-from .grads import clip_grad_norm_pp, sum_tied_grads, tied_embedding_group
+from .grads import clip_grad_norm, sum_tied_grads, tied_embedding_group
 from ..memory.peak import PeakActivationLedger  # re-exported: the pipeline's users measure with it
 from ..memory.schedule import layers_in_flight
 from .pipeline import SCHEDULES, PipelineParallel, build_pipeline, resolve_schedule
@@ -9,6 +9,6 @@ from .stages import StageModule, build_stage_modules, check_stage_split, local_s
 from .timing import StepTiming, ideal_bubble
 
 __all__ = ["DataParallel", "apply_fsdp", "state_bytes", "PipelineParallel", "build_pipeline", "resolve_schedule", "SCHEDULES", "StageModule",
-           "build_stage_modules", "check_stage_split", "local_stage_indices", "stage_layers", "clip_grad_norm_pp",
+           "build_stage_modules", "check_stage_split", "local_stage_indices", "stage_layers", "clip_grad_norm",
            "sum_tied_grads", "tied_embedding_group", "StepTiming", "ideal_bubble",
            "PeakActivationLedger", "layers_in_flight"]

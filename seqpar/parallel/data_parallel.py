@@ -4,8 +4,8 @@
 Per optimizer step the Trainer asks, in order: :meth:`DataParallel.micro_batch` around each
 micro-batch's forward and backward (DDP's ``no_sync`` / FSDP's deferred reduce-scatter before
 the last one), :meth:`DataParallel.after_backward` (the bf16 recipe's fp32 dp all-reduce under
-ddp; the SP-replicated gradients summed over TP), then :meth:`DataParallel.clip` (the global
-norm with squares summed over tp for split tensors and over dp for FSDP's shards).
+ddp; the SP-replicated gradients summed over TP), then :meth:`DataParallel.clip` (the one global
+norm of :func:`seqpar.parallel.grads.clip_grad_norm`).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from ..distributed.mesh import ParallelMesh
 from ..sharding import local_tensor
 from ..model.modes import DATA_PARALLEL_MODES
 from .fsdp import apply_fsdp, set_micro_batch, sync_sharded_sp_grads
+from .grads import clip_grad_norm
 
 
 class DataParallel:
@@ -70,9 +71,8 @@ class DataParallel:
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm of the full model before clipping (clipped in place when > 0)."""
-        from ..train.optim import clip_grad_norm_tp
-        return clip_grad_norm_tp(self.model, max_norm, self.mesh.tp_group,
-                                 self.mesh.dp_group if self.sharded else None)
+        return clip_grad_norm(self.model, max_norm, tp_group=self.mesh.tp_group, dp_group=self.mesh.dp_group,
+                              device=self.mesh.device)
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

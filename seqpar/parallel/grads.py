@@ -1,21 +1,30 @@
-"""Gradients across pipeline stages: the tied token table, and the global norm for clipping.
+"""Gradients across parallel ranks: the tied token table over stages, and the one global-norm clip.
+
+:func:`clip_grad_norm` is the clip of every layout. It counts each element of the full model's
+gradient exactly once, reading the layouts (:mod:`seqpar.sharding`) instead of re-deriving them:
+
+* tp: a TP-split parameter's squares are summed over the TP group; a parameter replicated over TP
+  (norms, row-parallel biases, positions; SP-replicated ones after their TP sum) is counted on TP
+  rank 0 only.
+* dp: an FSDP2 gradient (a DTensor holding this rank's dp shard) is summed over dp; a gradient
+  replicated over dp (ddp, pipelines) is counted on dp rank 0 only.
+* pp: every stage holds other parameters, so squares are summed over pp; a tied copy another
+  stage counts (the last stage's token table) is passed in ``exclude``.
 
 With tied embeddings and ``p > 1`` the first stage (lookup) and the last stage (output layer)
 each hold a copy of ``wte.weight``; after backward both copies' gradients are summed over the
-pair, once, so the copies stay equal. The global norm counts that parameter once (the last
-stage's copy is left out), each TP-split parameter's squares summed over TP, each parameter
-replicated over TP (norms, biases of row-parallel layers, positions) once, and DP shards
-(FSDP2 DTensor gradients) summed over DP while DP-replicated gradients count once: one
-all-reduce over the whole world.
+pair, once, so the copies stay equal (:func:`sum_tied_grads`).
 """
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..distributed.collectives import ProcessGroup, all_reduce, group_size
-from ..sharding import split_parameters
+from ..distributed.collectives import ProcessGroup, all_reduce, group_rank, group_size
+from ..sharding import local_tensor, split_parameters
 
 
 def tied_embedding_group(mesh) -> ProcessGroup | None:
@@ -45,35 +54,68 @@ def sum_tied_grads(params: list[nn.Parameter], group: ProcessGroup | None) -> No
         all_reduce(p.grad, group)
 
 
-def _local_grad(g: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(local tensor, sharded over dp): a DTensor gradient (FSDP2) is this rank's dp shard."""
-    local = getattr(g, "_local_tensor", None)
-    return (g, False) if local is None else (local, True)
+def _dp_sharded(grad: torch.Tensor) -> bool:
+    """A DTensor gradient is FSDP2's: this rank holds one dp shard of it."""
+    return local_tensor(grad) is not grad
 
 
-def clip_grad_norm_pp(module: nn.Module, max_norm: float, mesh, exclude: list[nn.Parameter] = ()) -> torch.Tensor:
-    """Global L2 norm of the full model's gradients over pp x dp x tp, from this rank's stages
-    ``module`` (``exclude``: tied copies already counted on another stage). Scales the grads in
-    place by ``min(1, max_norm / (norm + 1e-6))`` when ``max_norm > 0``. Returns the norm before
-    clipping (fp32 or wider, identical on every rank). One all-reduce over the world."""
+def counted_here(module: nn.Module, *, tp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
+                 exclude: Iterable[nn.Parameter] = ()) -> list[nn.Parameter]:
+    """The parameters (with a gradient) whose local squares this rank adds to the global norm,
+    each once: see the module docstring. Pure: reads layouts and ranks, no collective."""
     skip = {id(p) for p in exclude}
-    split = split_parameters(module) if mesh.tp_size > 1 else set()
-    params = [p for p in module.parameters() if p.grad is not None]
-    device = params[0].grad.device if params else mesh.device
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for p in params:
-        if id(p) in skip:
+    split = split_parameters(module) if group_size(tp_group) > 1 else set()
+    tp_first, dp_first = group_rank(tp_group) == 0, group_rank(dp_group) == 0
+    seen, out = set(), []
+    for p in module.parameters():
+        if p.grad is None or id(p) in skip or id(p) in seen:
             continue
-        g, dp_sharded = _local_grad(p.grad.detach())
-        counts = (id(p) in split or mesh.tp_rank == 0) and (dp_sharded or mesh.dp_rank == 0)
-        if counts:
-            total += g.double().pow(2).sum()
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        all_reduce(total, dist.group.WORLD)
+        seen.add(id(p))
+        if (id(p) in split or tp_first) and (_dp_sharded(p.grad) or dp_first):
+            out.append(p)
+    return out
+
+
+def _sum_of_squares(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of squares of ``grads`` as a float64 scalar on ``device``: per-tensor norms by
+    ``torch._foreach_norm`` in at least fp32, squared and summed on the device (no host sync)."""
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    acc = [g if g.dtype in (torch.float32, torch.float64) else g.float() for g in grads]
+    return torch.stack(torch._foreach_norm(acc)).double().pow(2).sum()
+
+
+@torch.no_grad()
+def scale_grads_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
+    """Multiply ``grads`` in place by the 0-dim device tensor ``scale``, one foreach per dtype."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for dtype, gs in by_dtype.items():
+        torch._foreach_mul_(gs, scale.to(dtype))
+
+
+@torch.no_grad()
+def clip_grad_norm(module: nn.Module, max_norm: float, *, tp_group: ProcessGroup | None = None,
+                   dp_group: ProcessGroup | None = None, pp_group: ProcessGroup | None = None,
+                   exclude: Iterable[nn.Parameter] = (), device: torch.device | str | None = None) -> torch.Tensor:
+    """Global L2 norm of the full model's gradients from this rank's part ``module``, over every
+    layout at once (tp splits, FSDP2 dp shards, pp stages, tied copies in ``exclude`` and
+    replicated parameters counted once). Scales every gradient of ``module`` in place by
+    ``min(1, max_norm / (norm + 1e-6))`` when ``max_norm > 0``. Returns the norm before
+    clipping, a float64 0-dim tensor on the grads' device, identical on every rank. A
+    collective over each non-trivial group of ``tp_group``, ``dp_group``, ``pp_group``
+    (one scalar each); no host sync."""
+    grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
+    device = grads[0].device if grads else torch.device(device or "cpu")
+    counted = counted_here(module, tp_group=tp_group, dp_group=dp_group, exclude=exclude)
+    total = _sum_of_squares([local_tensor(p.grad) for p in counted], device)
+    for group in (tp_group, dp_group, pp_group):
+        all_reduce(total, group)
     norm = total.sqrt()
-    if max_norm > 0 and params:
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in params:
-            g = _local_grad(p.grad)[0]  # a DTensor's local shard is scaled in place
-            g.mul_(scale.to(g.dtype))
+    if max_norm > 0 and grads:
+        scale_grads_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))
     return norm
+
+
+__all__ = ["clip_grad_norm", "counted_here", "scale_grads_", "sum_tied_grads", "tied_embedding_group"]

@@ -20,7 +20,7 @@ from ..distributed.collectives import all_reduce, all_reduce_coalesced
 from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh
 from ..model.config import GPTConfig
-from .grads import clip_grad_norm_pp, sum_tied_grads, tied_embedding_group
+from .grads import clip_grad_norm, sum_tied_grads, tied_embedding_group
 from .stages import StageModule, build_stage_modules, check_stage_split
 from .state import gather_dense, load_stage_dense, stage_dense
 from .timing import StageTimer, StepTiming, TimedStage, ideal_bubble
@@ -61,13 +61,14 @@ class PipelineParallel:
     ``"{j}.{GPT name}"``). :meth:`step` runs forward + backward over the micro-batches of one
     optimizer step and returns the mean loss on every rank. ``activation_dtype``: the dtype of
     the residual stream between stages (default the model's; fp32 under bf16 autocast of fp32
-    weights, bf16 when computing on bf16 weight copies). ``time_cuda``: synchronize after each
-    chunk on CUDA so :attr:`last_timing` (the bubble) is real; off for the fastest steps.
+    weights, bf16 when computing on bf16 weight copies). ``time_cuda``: the default of
+    :meth:`step`'s ``timed``: synchronize after each CUDA chunk so :attr:`last_timing` (the
+    bubble) is real. Leave it off in production; time only the steps that report it.
     """
 
     def __init__(self, config: GPTConfig, mesh: ParallelMesh, seed: int = 0, *, schedule: str | None = None,
                  virtual_stages: int = 1, n_microbatches: int | None = None,
-                 activation_dtype: torch.dtype | None = None, reduce_dp: bool = True, time_cuda: bool = True):
+                 activation_dtype: torch.dtype | None = None, reduce_dp: bool = True, time_cuda: bool = False):
         if mesh.pp_size < 2:
             raise ValueError(f"PipelineParallel needs pp >= 2, got pp={mesh.pp_size}: at pp=1 train the GPT itself")
         self.schedule_name = resolve_schedule(schedule, virtual_stages)
@@ -115,7 +116,9 @@ class PipelineParallel:
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm over pp x dp x tp (tied table once), clipping at ``max_norm`` > 0."""
-        return clip_grad_norm_pp(self.module, max_norm, self.mesh, self.norm_exclude())
+        mesh = self.mesh
+        return clip_grad_norm(self.module, max_norm, tp_group=mesh.tp_group, dp_group=mesh.dp_group,
+                              pp_group=mesh.pp_group, exclude=self.norm_exclude(), device=mesh.device)
 
     def train(self, mode: bool = True) -> "PipelineParallel":
         self.module.train(mode)
@@ -138,7 +141,7 @@ class PipelineParallel:
         stages = [TimedStage(part, part.index, self.num_stages, self.mesh.device,
                              input_args=self._example(part, rows, seq, output=False),
                              output_args=self._example(part, rows, seq, output=True),
-                             group=self.mesh.pp_group, timer=self.timer, sync_cuda=self.time_cuda)
+                             group=self.mesh.pp_group, timer=self.timer)
                   for part in self.parts]
         last = next((p for p in self.parts if p.is_last), None)
         n = self.n_microbatches
@@ -162,12 +165,16 @@ class PipelineParallel:
         return self._schedule
 
     # ------------------------------------------------------------------ one step
-    def _run(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool) -> torch.Tensor:
+    def _run(self, tokens: torch.Tensor, labels: torch.Tensor, train: bool, timed: bool = False) -> torch.Tensor:
         schedule = self._schedule_for(tokens)
         args = (tokens,) if self.mesh.is_first_stage else ()
         target = labels if self.mesh.is_last_stage else None
         losses: list[torch.Tensor] = []
-        with self.timer.step():
+        cuda = self.mesh.device.type == "cuda"
+        self.timer.sync_cuda = timed and cuda
+        if self.timer.sync_cuda:  # the step's clock starts on an idle device
+            torch.cuda.synchronize(self.mesh.device)
+        with self.timer.step(record=timed or not cuda):
             if train:
                 schedule.step(*args, target=target, losses=losses, return_outputs=False)
             else:
@@ -182,14 +189,17 @@ class PipelineParallel:
         all_reduce(loss, self.mesh.pp_group)  # zeros elsewhere: a broadcast from the last stage
         return loss
 
-    def step(self, tokens: torch.Tensor, labels: torch.Tensor, finish: bool = True) -> torch.Tensor:
+    def step(self, tokens: torch.Tensor, labels: torch.Tensor, finish: bool = True,
+             timed: bool | None = None) -> torch.Tensor:
         """Forward + backward of one optimizer step's batch ``tokens``/``labels`` ``[B, s]`` (this dp
         rank's share, identical on TP ranks; each pipeline rank passes it, only the first and last
         stage read it) in ``n_microbatches`` micro-batches; gradients accumulate into ``.grad``
         (zero them before). Then (``finish``) :meth:`finish_grads`; pass ``finish=False`` when the
         grads still move elsewhere first (bf16 copies into fp32 masters) and call it after.
-        Returns the mean micro-batch loss as a float64 scalar, identical on every pipeline rank."""
-        loss = self._run(tokens, labels, train=True)
+        Returns the mean micro-batch loss as a float64 scalar, identical on every pipeline rank.
+        ``timed`` (default ``time_cuda``): on CUDA, synchronize after every chunk so
+        :attr:`last_timing` holds this step's kernels' busy time; untimed CUDA steps keep it."""
+        loss = self._run(tokens, labels, train=True, timed=self.time_cuda if timed is None else timed)
         if finish:
             self.finish_grads()
         return loss

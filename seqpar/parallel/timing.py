@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.distributed.pipelining import PipelineStage
@@ -46,6 +46,7 @@ class StageTimer:
     def __init__(self) -> None:
         self.busy_s = 0.0
         self.last: StepTiming | None = None
+        self.sync_cuda = False  # set per step: synchronize after each CUDA chunk (exact busy time)
 
     @contextmanager
     def busy(self) -> Iterator[None]:
@@ -56,23 +57,30 @@ class StageTimer:
             self.busy_s += time.perf_counter() - start
 
     @contextmanager
-    def step(self) -> Iterator[None]:
+    def step(self, record: bool = True) -> Iterator[None]:
+        """Time one schedule step; ``record=False`` keeps :attr:`last` (a CUDA step run without
+        synchronizing measures kernel launches, not kernels)."""
         self.busy_s, start = 0.0, time.perf_counter()
         try:
             yield
         finally:
-            self.last = StepTiming(time.perf_counter() - start, self.busy_s)
+            if record:
+                self.last = StepTiming(time.perf_counter() - start, self.busy_s)
 
 
 class TimedStage(PipelineStage):
     """A ``PipelineStage`` that reports the time of each forward and backward chunk to ``timer``.
-    On CUDA a chunk ends with a device synchronize (``sync_cuda``), so the time is the kernels'
-    and not only their launch; leave it off for production steps that need no bubble figure."""
+    On CUDA a chunk ends with a device synchronize while ``timer.sync_cuda`` is set (a timed
+    step), so the time is the kernels' and not only their launch; the other steps run unsynchronized."""
 
-    def __init__(self, *args, timer: StageTimer, sync_cuda: bool = True, **kwargs) -> None:
+    def __init__(self, *args, timer: StageTimer, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.timer = timer
-        self._sync = sync_cuda and torch.device(self.device).type == "cuda"
+        self._cuda = torch.device(self.device).type == "cuda"
+
+    @property
+    def _sync(self) -> bool:
+        return self._cuda and self.timer.sync_cuda
 
     def forward_one_chunk(self, *args, **kwargs):
         with self.timer.busy():
@@ -87,3 +95,26 @@ class TimedStage(PipelineStage):
             if self._sync:
                 torch.cuda.synchronize(self.device)
             return out
+
+
+def timing_cost_row(step: Callable[[bool], object], *, steps: int = 10, warmup: int = 2,
+                    device: torch.device | str = "cpu") -> dict[str, float]:
+    """One table row for a benchmark script: the mean wall milliseconds of ``step(False)`` (no
+    per-chunk synchronize) and ``step(True)`` (timed), and their ratio. ``step(timed)`` runs one
+    optimizer step (e.g. ``lambda timed: engine.forward_backward(batches, timed=timed)``); each
+    window starts and ends with a device synchronize on CUDA."""
+    cuda = torch.device(device).type == "cuda"
+    row: dict[str, float] = {}
+    for timed in (False, True):
+        for _ in range(warmup):
+            step(timed)
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            step(timed)
+        if cuda:
+            torch.cuda.synchronize(device)
+        row["timed ms" if timed else "untimed ms"] = (time.perf_counter() - start) / steps * 1e3
+    row["timed / untimed"] = row["timed ms"] / row["untimed ms"] if row["untimed ms"] > 0 else float("nan")
+    return row

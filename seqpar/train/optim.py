@@ -1,4 +1,6 @@
-"""AdamW with decoupled weight decay on matrices only, warmup + cosine LR, TP-aware clipping.
+"""AdamW with decoupled weight decay on matrices only, and the warmup + cosine LR schedule.
+
+The global-norm clip of every layout is :func:`seqpar.parallel.grads.clip_grad_norm`.
 
 Weight decay applies to 2-D weights of linear layers. Norm weights, biases and embedding tables
 (token and position) are excluded: decaying them pulls LayerNorm gains toward zero and rare
@@ -11,9 +13,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ..distributed.collectives import ProcessGroup, all_reduce, group_size
 from ..layers import VocabParallelEmbedding
-from ..sharding import local_tensor, split_parameters
 
 
 def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]):
@@ -38,32 +38,3 @@ def lr_at(step: int, *, lr: float, min_lr: float, warmup_steps: int, total_steps
     span = max(1, total_steps - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_lr + 0.5 * (lr - min_lr) * (1.0 + math.cos(math.pi * progress))
-
-
-def clip_grad_norm_tp(model: nn.Module, max_norm: float, tp_group: ProcessGroup | None,
-                      shard_group: ProcessGroup | None = None) -> torch.Tensor:
-    """Global gradient L2 norm of the *full* model, computed across TP: squares of split
-    parameters (as their layouts declare, :mod:`seqpar.sharding`) are summed over the TP group;
-    replicated parameters (identical on every TP rank after grad sync) are counted once. Scales
-    the grads in place by ``min(1, max_norm / (norm + 1e-6))`` when ``max_norm > 0``. Returns the
-    norm before clipping as a 0-dim tensor on the grads' device (identical on all ranks): per-tensor
-    norms by ``torch._foreach_norm`` (at least fp32) and the scale applied on the device, so the
-    step needs no host sync here. ``shard_group``: the group over which every gradient is sharded
-    (FSDP's dp group; each rank holds another part of each tensor), whose squares are summed too."""
-    sharded = split_parameters(model) if group_size(tp_group) > 1 else set()
-    params = [p for p in model.parameters() if p.grad is not None]
-    if not params:
-        return torch.zeros(())
-    grads = [local_tensor(p.grad.detach()) for p in params]
-    acc = torch.promote_types(grads[0].dtype, torch.float32)
-    norms = torch.stack(torch._foreach_norm([g if g.dtype == acc else g.to(acc) for g in grads])) ** 2
-    split = torch.tensor([float(id(p) in sharded) for p in params], dtype=norms.dtype, device=norms.device)
-    sq = torch.stack([(norms * split).sum(), (norms * (1 - split)).sum()])  # [split, replicated]; no masks: no sync
-    shard_sq = sq[0:1].clone()
-    all_reduce(shard_sq, tp_group)
-    total = (shard_sq + sq[1:2])
-    all_reduce(total, shard_group)  # FSDP: every rank holds 1/dp of every tensor
-    norm = total[0].sqrt()
-    if max_norm > 0:
-        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0).to(grads[0].dtype))
-    return norm

@@ -1,25 +1,25 @@
-"""The Trainer: data -> GPT (TP + SP + recompute) -> DP reduction -> clip -> AdamW, one method per job.
+"""The Trainer: data -> GPT (TP + SP + recompute) -> dp reduction -> clip -> AdamW, one method per job.
 
-Setup (``Trainer(cfg)``), in order: validate the config (every rank, before any collective) ->
-mesh -> header and resolved config -> corpus (every rank prepares it; a file lock, not a
-collective, makes the others wait while one builds the cache), train stream and eval batches ->
-GPT -> DDP over dp -> optimizer -> precision context. :meth:`Trainer.fit` then resumes and runs
-the loop.
+Setup (``Trainer(cfg)``), in order: the run resolved by :func:`seqpar.train.resolve.resolve_run`
+(validated on every rank before any collective; pipeline batch split, accumulation, ddp/fsdp,
+``recompute: auto``) -> mesh -> header and resolved config -> corpus (every rank prepares it; a
+file lock, not a collective, makes the others wait while one builds the cache), train stream and
+eval batches -> the step engine (:mod:`seqpar.parallel.engine`: the GPT over FSDP2 or DDP on dp,
+or this rank's pipeline stages) -> optimizer -> checkpoint manager. :meth:`Trainer.fit` then
+resumes and runs the loop.
 
 Order of operations per optimizer step (:meth:`Trainer.train_step`), on every rank:
 set the step's learning rate -> the step's micro-batches, cut from its global batch (a function of
-seed and step only) -> forward/backward (:meth:`Trainer.forward_backward`; DDP's dp all-reduce
-only on the last micro-batch, ``no_sync`` before) -> SP-replicated grads all-reduced over TP ->
-TP-aware global-norm clipping -> one world all-reduce carrying the mean loss, the stop flag and
-whether the grad norm is finite (:meth:`Trainer.agree`) -> AdamW step, or, when the loss or the
-gradients are not finite, a stop naming the step or a skipped step (``train.nonfinite_grads``)
--> grads zeroed. After the step, :meth:`Trainer.fit` logs, evaluates and checkpoints on their
-intervals (never weights holding NaN/inf), and stops cleanly after a checkpoint when any rank
-received SIGTERM.
+seed and step only) -> the engine's forward/backward (gradients reduced over dp and, for the
+SP-replicated ones, summed over TP) -> the engine's global-norm clip -> one world all-reduce
+carrying the mean loss, the stop flag and whether the grad norm is finite (:meth:`Trainer.agree`)
+-> AdamW step, or, when the loss or the gradients are not finite, a stop naming the step or a
+skipped step (``train.nonfinite_grads``) -> grads zeroed. After the step, :meth:`Trainer.fit`
+logs, evaluates and checkpoints on their intervals (never weights holding NaN/inf), and stops
+cleanly after a checkpoint when any rank received SIGTERM.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -32,23 +32,21 @@ import torch
 import torch.distributed as dist
 
 from .. import flops
+from ..checkpoint import data_identity, open_checkpoint_dir
 from ..config import RunConfig, dump
-from ..distributed.mesh import ParallelMesh, init_parallel, validate_layout
-from ..model import GPT
-from ..parallel.data_parallel import DataParallel, state_bytes, state_line
-from ..parallel.pipeline import check_microbatches, resolve_schedule
-from ..plan.recompute import resolve_recompute
+from ..data import Batch, data_streams, load_corpus, tokenizer_attachment
+from ..distributed.mesh import ParallelMesh, init_parallel
+from ..parallel.data_parallel import state_bytes, state_line
+from ..parallel.engines import build_engine
 from ..memory.probe import ActivationProbe
-from ..data import Batch
-from ..checkpoint import open_checkpoint_dir
-from ..data import data_streams, load_corpus, tokenizer_attachment
-from .trainer_checkpoints import TrainerCheckpoints
+from .checkpointing import CheckpointManager
 from .faults import StopRequest, nonfinite_error, nonfinite_what
 from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, lr_at
-from .pipeline_run import PipelineRun
 from .precision import Precision
+from .resolve import ResolvedRun, resolve_run
+
 
 @dataclass(frozen=True)
 class StepMetrics:
@@ -65,18 +63,33 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
 
-class Trainer(TrainerCheckpoints):
-    """Trains ``cfg.model`` on ``cfg.data`` as configured. Build it on every rank (it validates the
-    config before any collective), then call :meth:`fit`; the other methods are its steps."""
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
-    def __init__(self, cfg: RunConfig, *, mesh: ParallelMesh | None = None):
-        cfg.validate()  # every rank, before any collective
-        self.cfg, self.tc, self.mc = cfg, cfg.train, cfg.model
+
+class Trainer:
+    """Trains ``cfg.model`` on ``cfg.data`` as configured. Build it on every rank (it validates the
+    config before any collective), then call :meth:`fit`; the other methods are its steps.
+    ``cfg``: a :class:`RunConfig`, or a run already resolved by :func:`resolve_run`."""
+
+    def __init__(self, cfg: RunConfig | ResolvedRun, *, mesh: ParallelMesh | None = None):
+        world = mesh.world_size if mesh else _world_size()
+        device = mesh.device.type if mesh else _default_device()
+        self.run = cfg if isinstance(cfg, ResolvedRun) else resolve_run(cfg, world, device)
+        if self.run.world_size != world:
+            raise ValueError(f"the run was resolved for world size {self.run.world_size}, got {world}")
+        self.cfg, self.tc, self.mc = self.run.cfg, self.run.cfg.train, self.run.cfg.model
+        self.dp, self.accum, self.dp_mode = self.run.dp, self.run.accum, self.run.dp_mode
         self.mesh = self._setup_mesh(mesh)
-        self.logger = MetricsLogger(cfg.out_dir, self.mesh.is_first, self.tc.steps)
+        self.logger = MetricsLogger(self.cfg.out_dir, self.mesh.is_first, self.tc.steps)
+        self.history: dict = {"steps": [], "losses": [], "eval": [], "checkpoint": None, "skipped": []}
+        self.start_step = 0  # first step this process runs (> 0 after a resume)
+        self.state: dict[str, int] | None = None  # bytes of training state, measured at the first step
+        self._stop: StopRequest | None = None  # installed by fit()
+        self._ahead: tuple[int, list[Batch]] | None = None  # the next step's batches, on their way (CUDA)
         self._ckpt_dir = None  # the job's lock on checkpoint.dir (rank 0), held until close()
         try:
-            self._ckpt_dir = open_checkpoint_dir(cfg.checkpoint.dir, self.mesh.is_first)
+            self._ckpt_dir = open_checkpoint_dir(self.cfg.checkpoint.dir, self.mesh.is_first)
             self._announce()
             self._setup_data()
             self.precision = Precision(self.tc.precision, self.mesh.device, fsdp=self.dp_mode == "fsdp")
@@ -87,53 +100,17 @@ class Trainer(TrainerCheckpoints):
             if self._ckpt_dir is not None:
                 self._ckpt_dir.close()
             raise
-        self.history: dict = {"steps": [], "losses": [], "eval": [], "checkpoint": None, "skipped": []}
-        self.start_step = 0  # first step this process runs (> 0 after a resume)
-        self._stop: StopRequest | None = None  # installed by fit()
-        self.activations = ActivationProbe(self.model, self.mesh.device)  # the first forward, measured
 
     # ---- setup -------------------------------------------------------------------------------
 
     def _setup_mesh(self, mesh: ParallelMesh | None) -> ParallelMesh:
-        """Check the layout against the world size, then build the mesh unless one was given."""
+        """The mesh of the resolved layout, unless one was given."""
         pc = self.cfg.parallel
-        self.dp = validate_layout(pc.tp, pc.dp, mesh.world_size if mesh else _world_size(), pc.pp)
-        if pc.pp > 1 and self.tc.global_batch is None:
-            self._split_for_pipeline()
-        self.accum = self.cfg.accumulation_steps(self.dp)  # micro-batches per optimizer step
-        self.dp_mode = pc.data_parallel_mode(self.dp)  # "ddp" | "fsdp"
-        if pc.pp > 1:  # pure arithmetic: every rank fails alike, before any collective
-            check_microbatches(self.accum, pc.pp, resolve_schedule(pc.pp_schedule, pc.virtual_stages))
-        if self.mc.recompute == "auto":  # the planner's per-layer modes under train.memory_budget_gib
-            self._resolve_recompute(mesh.device.type if mesh else ("cuda" if torch.cuda.is_available() else "cpu"))
         if mesh is None:
-            mesh = init_parallel(pc.tp, pc.dp, pp=pc.pp, timeout=timedelta(minutes=pc.timeout_minutes))
+            mesh = init_parallel(pc.tp, self.dp, pp=pc.pp, timeout=timedelta(minutes=pc.timeout_minutes))
         if mesh.device.type == "cpu":
             torch.set_num_threads(self.tc.threads_per_rank)
         return mesh
-
-    def _resolve_recompute(self, device: str) -> None:
-        """``model.recompute: auto`` -> ``model.recompute_layers`` (pure; the same search as ``seqpar plan``)."""
-        pc = self.cfg.parallel
-        cfg = resolve_recompute(dataclasses.replace(self.cfg, parallel=dataclasses.replace(pc, dp=self.dp)),
-                                device=device)
-        self.cfg, self.mc = dataclasses.replace(self.cfg, model=cfg.model), cfg.model
-        modes = cfg.model.recompute_layers
-        self._recompute_note = (f"recompute auto under train.memory_budget_gib={self.tc.memory_budget_gib}: "
-                                f"{modes.count('none')} none, {modes.count('selective')} selective, "
-                                f"{modes.count('full')} full layers ({', '.join(modes)})")
-
-    def _split_for_pipeline(self) -> None:
-        """pp > 1 without ``train.global_batch``: the step's batch stays ``micro_batch x dp`` (the
-        run p = 1 would train) and runs as ``pp`` micro-batches, the fewest 1F1B needs."""
-        tc, pp = self.tc, self.cfg.parallel.pp
-        if tc.micro_batch % pp:
-            raise ValueError(f"parallel.pp={pp} needs at least {pp} micro-batches per step: set train.global_batch "
-                             f"(a multiple of micro_batch x dp x {pp}), or a train.micro_batch divisible by {pp} "
-                             f"(got {tc.micro_batch})")
-        tc = dataclasses.replace(tc, micro_batch=tc.micro_batch // pp, global_batch=tc.micro_batch * self.dp)
-        self.cfg = dataclasses.replace(self.cfg, train=tc)
-        self.tc = tc
 
     def _announce(self) -> None:
         """Print the layout and the resolved config; the first rank writes ``config.yaml``."""
@@ -141,8 +118,8 @@ class Trainer(TrainerCheckpoints):
         self.logger.print(f"seqpar: {self.mesh}; model {mc.layers}L h={mc.hidden} a={mc.heads} s={mc.seq_len} "
                           f"v={mc.vocab_size}; sequence_parallel={mc.sequence_parallel} recompute={mc.recompute}; "
                           f"micro_batch={tc.micro_batch} x accumulation {self.accum} x dp {self.dp}")
-        if getattr(self, "_recompute_note", None):
-            self.logger.print(self._recompute_note)
+        if self.run.recompute_note:
+            self.logger.print(self.run.recompute_note)
         if self.mesh.is_first:
             Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
             (Path(cfg.out_dir) / "config.yaml").write_text(dump(cfg))
@@ -155,28 +132,21 @@ class Trainer(TrainerCheckpoints):
         self.attachments = tokenizer_attachment(self.cfg, self.corpus, self.mesh.is_first)
 
     def _setup_model(self) -> None:
-        """GPT built from seqpar layers on the mesh, wrapped for data parallelism (or cut into this
-        rank's pipeline stages when pp > 1), then its optimizer."""
+        """The step engine (the GPT over ddp / fsdp, or this rank's pipeline stages), its optimizer
+        and the checkpoint manager over the engine's model parts."""
         tc = self.tc
-        self.pipeline = self.data_parallel = None
-        if self.mesh.pp_size > 1:
-            self.pipeline = PipelineRun(self.cfg, self.mesh, self.accum, self.precision)
-            self.model = self.pipeline.module  # an nn.ModuleList of this rank's stages
-            self.logger.print(f"parameters: {sum(p.numel() for p in self.model.parameters()):,} in pipeline "
-                              f"stage(s) {[part.index for part in self.pipeline.parts]} on this rank "
-                              f"({self.pipeline.schedule}, {self.accum} micro-batches per step)")
-        else:
-            self.model = GPT(self.mc, self.mesh, seed=tc.seed)
-            self.logger.print(f"parameters: {self.model.num_parameters():,} in the full model, "
-                              f"{self.model.num_parameters(False):,} on this rank")
-            self.data_parallel = DataParallel(self.model, self.mesh, self.dp_mode, precision=self.precision.name,
-                                              master_weights=self.precision.master_weights,
-                                              reshard_after_forward=self.cfg.parallel.reshard_after_forward)
+        self.engine = build_engine(self.cfg, self.mesh, accum=self.accum, precision=self.precision,
+                                   probe=ActivationProbe)
+        self.model = self.engine.module  # the GPT, or an nn.ModuleList of this rank's stages
+        self.logger.print(self.engine.parameters_line())
         self.precision.check_model(self.model)
-        self.dp_model = self.data_parallel.module if self.data_parallel else None  # the training forward's module
         self.optimizer = build_optimizer(self.model, lr=tc.lr, weight_decay=tc.weight_decay,
                                          betas=(tc.beta1, tc.beta2))
-        self.state: dict[str, int] | None = None  # bytes of training state, measured at the first step
+        self.checkpoints = CheckpointManager(self.run, module=self.model, parts=self.engine.parts,
+                                             streams=self.engine.streams, optimizer=self.optimizer,
+                                             batches=self.batches, attachments=self.attachments,
+                                             data=data_identity(self.corpus.tokens, self.corpus.tokenizer),
+                                             print=self.logger.print)
 
     def _throughput(self) -> Throughput:
         """Tokens and model FLOPs per optimizer step (whole world) against the device's peak."""
@@ -202,7 +172,7 @@ class Trainer(TrainerCheckpoints):
         host sync on GPUs) is needed. On CUDA they were copied from pinned memory without
         blocking, one step ahead (:meth:`prefetch`)."""
         self.batches.step = step + 1  # the stream position checkpoints record
-        ahead, self._ahead = getattr(self, "_ahead", None), None
+        ahead, self._ahead = self._ahead, None
         return ahead[1] if ahead is not None and ahead[0] == step else self._to_device(step)
 
     def prefetch(self, step: int) -> None:
@@ -217,24 +187,16 @@ class Trainer(TrainerCheckpoints):
         return [(x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
                 for x, y in self.batches.step_batches(step)]
 
-    def forward_backward(self, micro_batches: Iterable[Batch]) -> torch.Tensor:
-        """Forward and backward over ``micro_batches`` in the run's precision, each loss scaled by
-        1/accum so the grads are the step's mean; under the bf16 recipe each micro-batch's bf16
-        grads are added into the fp32 masters and reduced over dp in fp32 afterwards. Returns this
-        rank's mean loss as a float64 scalar on the mesh device (no host sync)."""
-        if self.pipeline is not None:  # the schedule runs all micro-batches through the stages
-            return self.pipeline.forward_backward(list(micro_batches))
-        prec = self.precision
-        weights = prec.compute_weights(self.model)  # bf16 copies, once per optimizer step (bf16 only)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        for micro, (tokens, labels) in enumerate(micro_batches):
-            with self.data_parallel.micro_batch(micro, self.accum), prec.weights_in(self.model, weights):
-                with prec.autocast(), self.activations.measure():
-                    loss = self.dp_model(tokens, labels)
-                (loss / self.accum).backward()
-            prec.accumulate(self.model, weights)
-            loss_sum += loss.detach().double() / self.accum
-        return loss_sum
+    def forward_backward(self, micro_batches: Iterable[Batch], step: int | None = None) -> torch.Tensor:
+        """Forward and backward over ``micro_batches`` through the engine, in the run's precision,
+        each loss scaled by 1/accum so the grads are the step's mean, then reduced (dp; SP grads
+        over TP; pipelines: the tied pair). Returns this rank's mean loss as a float64 scalar on
+        the mesh device (no host sync). ``step`` (from 0): timed when it is a log step."""
+        timed = step is not None and self._is_log_step(step + 1)
+        return self.engine.forward_backward(list(micro_batches), timed=timed)
+
+    def _is_log_step(self, done: int) -> bool:
+        return done % self.tc.log_interval == 0 or done == self.tc.steps
 
     def agree(self, loss_sum: torch.Tensor, stop: bool, grad_norm: torch.Tensor | None = None
               ) -> tuple[float, bool, bool, float]:
@@ -262,13 +224,9 @@ class Trainer(TrainerCheckpoints):
         ``train.nonfinite_grads=stop`` (default) ``FloatingPointError`` names the step, under
         ``skip`` the grads are dropped and the step counted in ``history["skipped"]``."""
         lr = self.set_lr(step)
-        loss_sum = self.forward_backward(self.micro_batches(step))
+        loss_sum = self.forward_backward(self.micro_batches(step), step)
         self.prefetch(step + 1)  # overlaps the next step's host-to-device copies with this one's tail
-        if self.pipeline is not None:  # grads already reduced by the pipeline (TP, tied pair, dp)
-            grad_norm = self.pipeline.clip(self.tc.grad_clip)
-        else:
-            self.data_parallel.after_backward()  # bf16 recipe's dp reduction (ddp), SP grads summed over TP
-            grad_norm = self.data_parallel.clip(self.tc.grad_clip)
+        grad_norm = self.engine.clip(self.tc.grad_clip)
         loss, stop, finite, grad_norm = self.agree(loss_sum, self.stop_requested, grad_norm)
         grad_norm = grad_norm if finite else float("nan")  # the same on every rank
         skipped = not (finite and math.isfinite(loss))
@@ -295,17 +253,7 @@ class Trainer(TrainerCheckpoints):
             raise ValueError(f"no eval batches: train.eval_interval is {self.tc.eval_interval} or the held-out "
                              f"split (data.eval_fraction={self.cfg.data.eval_fraction}) is shorter than "
                              f"seq_len + 1 = {self.mc.seq_len + 1} tokens")
-        device, prec = self.mesh.device, self.precision
-        if self.pipeline is not None:
-            total = self.pipeline.evaluate(self.evals)
-        else:
-            self.model.eval()
-            total = torch.zeros((), dtype=torch.float64, device=device)
-            with prec.weights_in(self.model, prec.compute_weights(self.model)), prec.autocast():
-                for tokens, labels in self.evals:
-                    total += self.model(tokens.to(device), labels.to(device)).double()
-            self.model.train()
-            total /= len(self.evals)
+        total = self.engine.evaluate(self.evals)
         if dist.is_initialized():
             dist.all_reduce(total)
             total /= dist.get_world_size()
@@ -316,7 +264,10 @@ class Trainer(TrainerCheckpoints):
         if self.corpus.tokenizer is None:
             raise ValueError(f"sample: the corpus {self.cfg.data.source!r} is a bare token file without a "
                              f"tokenizer.json beside it")
-        ids = sample_ids(self.model, self.corpus.encode(prompt), max_new_tokens, seed=self.tc.seed)
+        if self.engine.full_model is None:
+            raise ValueError("sample: this rank holds pipeline stages, not the whole model; sample from a "
+                             "checkpoint with seqpar generate")
+        ids = sample_ids(self.engine.full_model, self.corpus.encode(prompt), max_new_tokens, seed=self.tc.seed)
         return self.corpus.decode(ids)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -325,16 +276,15 @@ class Trainer(TrainerCheckpoints):
         """Count the step's ``seconds``; on log steps print one line with the mean throughput since
         the last line, and the memory line (every time on CUDA, once on CPU)."""
         self.throughput.add(seconds)
-        if not (done % self.tc.log_interval == 0 or done == self.tc.steps):
+        if not self._is_log_step(done):
             return
         skipped = {"skipped steps": len(self.history["skipped"])} if self.history["skipped"] else {}
         self.logger.log(done, {"loss": m.loss, "lr": m.lr, "grad norm": m.grad_norm, **skipped,
                                **self.throughput.report()})
         if self.mesh.device.type == "cuda":
             self.logger.print(f"           memory: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB peak")
-        bubble = self.pipeline.bubble_line() if self.pipeline is not None else None
-        if bubble:
-            self.logger.print(bubble)
+        for line in self.engine.log_lines():
+            self.logger.print(line)
 
     def _after_step(self, done: int, m: StepMetrics) -> None:
         """Evaluate and checkpoint when due (a stop request forces a checkpoint)."""
@@ -360,10 +310,7 @@ class Trainer(TrainerCheckpoints):
                 self.history["steps"].append(step + 1)
                 self.history["losses"].append(m.loss)
                 if step == self.start_step:  # measured during this first step; printed once
-                    self.logger.print(self.pipeline.memory_line() if self.pipeline is not None else
-                                      self.activations.line(self.mc, t=self.mesh.tp_size,
-                                                            micro_batch=self.tc.micro_batch,
-                                                            activation_bytes=self.precision.activation_bytes))
+                    self.logger.print(self.engine.memory_line())
                     self.logger.print(state_line(self.state))
                 self.log_step(step + 1, m, time.perf_counter() - t0)
                 self._after_step(step + 1, m)
@@ -371,13 +318,32 @@ class Trainer(TrainerCheckpoints):
                     self.logger.print(f"SIGTERM received: checkpoint written at step {step + 1}, exiting cleanly")
                     stopped = True
                     break
-            if self.corpus.tokenizer is not None and not stopped and self.pipeline is None:
+            whole = self.engine.full_model is not None
+            if self.corpus.tokenizer is not None and not stopped and whole:
                 self.logger.print("sample:\n" + self.sample())
-            elif self.pipeline is not None and self.history["checkpoint"]:
+            elif not whole and self.history["checkpoint"]:
                 self.logger.print(f"sample: seqpar generate {self.cfg.checkpoint.dir} (one process, any layout)")
         finally:
             self.close()
         return self.history
+
+    def save(self, step: int) -> Path:
+        """Checkpoint step ``step`` on every rank (:meth:`CheckpointManager.save`); the folder."""
+        path = self.checkpoints.save(step)
+        self.history["checkpoint"] = str(path)
+        return path
+
+    def finish_pending_save(self) -> None:
+        """Seal a background checkpoint (``checkpoint.async``); every rank."""
+        self.checkpoints.finish_pending()
+
+    def resume(self) -> int:
+        """Load the newest complete checkpoint when ``checkpoint.resume`` is ``"auto"`` (any
+        layout); returns the step to start from (0 when there is none)."""
+        step = self.checkpoints.resume()
+        if step is not None:
+            self.start_step = step
+        return self.start_step
 
     def close(self) -> None:
         """Seal a background checkpoint, restore the SIGTERM handler, close the metrics files,

@@ -1,0 +1,79 @@
+"""The step engine without pipeline stages: the whole GPT on this rank, over ddp or fsdp.
+
+Per optimizer step: each micro-batch's forward and backward in the run's precision (loss scaled
+by 1/accum; DDP's ``no_sync`` / FSDP's deferred reduce-scatter before the last), then
+:meth:`DataParallel.after_backward` (the bf16 recipe's fp32 dp all-reduce under ddp; SP grads
+summed over TP). The clip is :func:`seqpar.parallel.grads.clip_grad_norm` over tp and dp.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..config import RunConfig
+from ..distributed.mesh import ParallelMesh
+from ..model import GPT
+from .data_parallel import DataParallel
+from .engine import ActivationProbe, Batch, PrecisionRecipe, StepEngine
+
+
+class PlainEngine(StepEngine):
+    """The GPT of ``cfg.model`` on ``mesh`` (pp = 1), wrapped for data parallelism."""
+
+    def __init__(self, cfg: RunConfig, mesh: ParallelMesh, *, accum: int, precision: PrecisionRecipe,
+                 probe: Callable[[nn.Module, torch.device], ActivationProbe] | None = None):
+        self.cfg, self.mesh, self.accum, self.precision = cfg, mesh, accum, precision
+        self.model = GPT(cfg.model, mesh, seed=cfg.train.seed)
+        mode = cfg.parallel.data_parallel_mode(mesh.dp_size)
+        self.data_parallel = DataParallel(self.model, mesh, mode, precision=precision.name,
+                                          master_weights=precision.master_weights,
+                                          reshard_after_forward=cfg.parallel.reshard_after_forward)
+        self.module, self.parts, self.full_model = self.model, [self.model], self.model
+        self.probe = probe(self.model, mesh.device) if probe is not None else None
+
+    def _measure(self):
+        return self.probe.measure() if self.probe is not None else contextlib.nullcontext()
+
+    def forward_backward(self, micro_batches: Sequence[Batch], *, timed: bool = False) -> torch.Tensor:
+        """Under the bf16 recipe each micro-batch runs on bf16 copies made once per step, their
+        grads added into the fp32 masters and reduced over dp in fp32 afterwards."""
+        prec, dp = self.precision, self.data_parallel
+        weights = prec.compute_weights(self.model)  # bf16 copies, once per optimizer step (bf16 only)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        for micro, (tokens, labels) in enumerate(micro_batches):
+            with dp.micro_batch(micro, self.accum), prec.weights_in(self.model, weights):
+                with prec.autocast(), self._measure():
+                    loss = dp.module(tokens, labels)
+                (loss / self.accum).backward()
+            prec.accumulate(self.model, weights)
+            loss_sum += loss.detach().double() / self.accum
+        dp.after_backward()
+        return loss_sum
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return self.data_parallel.clip(max_norm)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[Batch]) -> torch.Tensor:
+        prec, device = self.precision, self.mesh.device
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        with prec.weights_in(self.model, prec.compute_weights(self.model)), prec.autocast():
+            for tokens, labels in batches:
+                total += self.model(tokens.to(device), labels.to(device)).double()
+        self.model.train()
+        return total / len(batches)
+
+    def parameters_line(self) -> str:
+        return (f"parameters: {self.model.num_parameters():,} in the full model, "
+                f"{self.model.num_parameters(False):,} on this rank")
+
+    def memory_line(self) -> str:
+        return self.probe.line(self.cfg.model, t=self.mesh.tp_size, micro_batch=self.cfg.train.micro_batch,
+                               activation_bytes=self.precision.activation_bytes)
+
+
+__all__ = ["PlainEngine"]

@@ -1,0 +1,75 @@
+"""The run's configuration resolved once, before anything is built: :func:`resolve_run`.
+
+Every derived value the Trainer needs is computed here by one pure function (no
+``torch.distributed``, no files): the data-parallel size from the world size, the pipeline's
+batch split, the accumulation steps, ``ddp`` or ``fsdp``, the pipeline schedule and its
+micro-batch check, and ``model.recompute: auto``'s per-layer modes. Nothing rewrites the config
+after it; the Trainer reads the frozen :class:`ResolvedRun`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..config import RunConfig, TrainConfig
+from ..distributed.mesh import validate_layout
+from ..parallel.pipeline import check_microbatches, resolve_schedule
+from ..plan.recompute import resolve_recompute
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A run as it trains: the resolved config and the values derived from it."""
+
+    cfg: RunConfig            # the config as run (pipeline batch split, per-layer recompute modes filled in)
+    world_size: int           # ranks of the job: pp x dp x tp
+    dp: int                   # data-parallel size
+    accum: int                # micro-batches per optimizer step on each rank
+    dp_mode: str              # "ddp" | "fsdp"
+    schedule: str | None      # the pipeline schedule (None without pipeline stages)
+    recompute_note: str | None = None  # what model.recompute: auto chose, for the header
+
+
+def _split_for_pipeline(tc: TrainConfig, pp: int, dp: int) -> TrainConfig:
+    """pp > 1 without ``train.global_batch``: the step's batch stays ``micro_batch x dp`` (the
+    run p = 1 would train) and runs as ``pp`` micro-batches, the fewest 1F1B needs."""
+    if tc.micro_batch % pp:
+        raise ValueError(f"parallel.pp={pp} needs at least {pp} micro-batches per step: set train.global_batch "
+                         f"(a multiple of micro_batch x dp x {pp}), or a train.micro_batch divisible by {pp} "
+                         f"(got {tc.micro_batch})")
+    return dataclasses.replace(tc, micro_batch=tc.micro_batch // pp, global_batch=tc.micro_batch * dp)
+
+
+def _auto_recompute(cfg: RunConfig, dp: int, device: str) -> tuple[RunConfig, str]:
+    """``model.recompute: auto`` -> ``model.recompute_layers`` (the same search as ``seqpar plan``)."""
+    planned = resolve_recompute(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=dp)),
+                                device=device)
+    modes = planned.model.recompute_layers
+    note = (f"recompute auto under train.memory_budget_gib={cfg.train.memory_budget_gib}: "
+            f"{modes.count('none')} none, {modes.count('selective')} selective, "
+            f"{modes.count('full')} full layers ({', '.join(modes)})")
+    return dataclasses.replace(cfg, model=planned.model), note
+
+
+def resolve_run(cfg: RunConfig, world_size: int, device: str = "cpu") -> ResolvedRun:
+    """Validate ``cfg`` and resolve it for ``world_size`` ranks on ``device`` (``"cpu"`` or
+    ``"cuda"``: what ``recompute: auto`` plans for). Pure arithmetic on the config: every rank
+    raises the same ``ValueError`` before any collective. ``cfg`` itself is left untouched."""
+    cfg.validate()
+    pc = cfg.parallel
+    dp = validate_layout(pc.tp, pc.dp, world_size, pc.pp)
+    if pc.pp > 1 and cfg.train.global_batch is None:
+        cfg = dataclasses.replace(cfg, train=_split_for_pipeline(cfg.train, pc.pp, dp))
+    accum = cfg.accumulation_steps(dp)
+    schedule = None
+    if pc.pp > 1:
+        schedule = resolve_schedule(pc.pp_schedule, pc.virtual_stages)
+        check_microbatches(accum, pc.pp, schedule)
+    note = None
+    if cfg.model.recompute == "auto":
+        cfg, note = _auto_recompute(cfg, dp, device)
+    return ResolvedRun(cfg=cfg, world_size=world_size, dp=dp, accum=accum, dp_mode=pc.data_parallel_mode(dp),
+                       schedule=schedule, recompute_note=note)
+
+
+__all__ = ["ResolvedRun", "resolve_run"]
