@@ -6,7 +6,8 @@ pair, once, so the copies stay equal. The global norm counts that parameter once
 stage's copy is left out), each TP-split parameter's squares summed over TP, each parameter
 replicated over TP (norms, biases of row-parallel layers, positions) once, and DP shards
 (FSDP2 DTensor gradients) summed over DP while DP-replicated gradients count once: one
-all-reduce over the whole world.
+all-reduce over the whole world. A split parameter's pieces replicated over TP (grouped-query
+key/value heads at ``g < t``) count once, on the first rank sharing them (:func:`replica_views`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..distributed.collectives import ProcessGroup, all_reduce, group_size
-from ..sharding import split_parameters
+from ..sharding import counted_parts, local_tensor, param_layouts, split_parameters
+from .fsdp import shard_rows
 
 
 def tied_embedding_group(mesh) -> ProcessGroup | None:
@@ -51,6 +53,24 @@ def _local_grad(g: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return (g, False) if local is None else (local, True)
 
 
+def replica_views(module: nn.Module, tp_rank: int, t: int) -> dict[int, list[torch.Tensor]]:
+    """``id(p)`` -> the views of ``p``'s local gradient (its FSDP2 shard where sharded) that this
+    rank counts in a norm over TP, for each split parameter holding replicated pieces (others are
+    counted whole and are not listed)."""
+    params, out = dict(module.named_parameters()), {}
+    for name, layout in param_layouts(module).items():
+        p = params[name]
+        if p.grad is None or not layout.is_replicated(t):
+            continue
+        local = local_tensor(p.grad.detach())
+        row_start = 0
+        if hasattr(p.grad, "device_mesh") and layout.split_dim == 0:  # FSDP2: this dp rank's dim-0 rows
+            mesh = p.grad.device_mesh
+            row_start = shard_rows(p.shape[0], mesh.get_local_rank(), mesh.size())[0]
+        out[id(p)] = counted_parts(local, layout, p.shape[layout.split_dim], tp_rank, t, row_start=row_start)
+    return out
+
+
 def clip_grad_norm_pp(module: nn.Module, max_norm: float, mesh, exclude: list[nn.Parameter] = ()) -> torch.Tensor:
     """Global L2 norm of the full model's gradients over pp x dp x tp, from this rank's stages
     ``module`` (``exclude``: tied copies already counted on another stage). Scales the grads in
@@ -58,6 +78,7 @@ def clip_grad_norm_pp(module: nn.Module, max_norm: float, mesh, exclude: list[nn
     clipping (fp32 or wider, identical on every rank). One all-reduce over the world."""
     skip = {id(p) for p in exclude}
     split = split_parameters(module) if mesh.tp_size > 1 else set()
+    views = replica_views(module, mesh.tp_rank, mesh.tp_size) if split else {}
     params = [p for p in module.parameters() if p.grad is not None]
     device = params[0].grad.device if params else mesh.device
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -67,7 +88,8 @@ def clip_grad_norm_pp(module: nn.Module, max_norm: float, mesh, exclude: list[nn
         g, dp_sharded = _local_grad(p.grad.detach())
         counts = (id(p) in split or mesh.tp_rank == 0) and (dp_sharded or mesh.dp_rank == 0)
         if counts:
-            total += g.double().pow(2).sum()
+            for part in views.get(id(p), [g]):
+                total += part.double().pow(2).sum()
     if dist.is_initialized() and dist.get_world_size() > 1:
         all_reduce(total, dist.group.WORLD)
     norm = total.sqrt()

@@ -11,8 +11,9 @@ import math
 import torch
 import torch.nn as nn
 
-from ..distributed.collectives import ProcessGroup, all_reduce, group_size
+from ..distributed.collectives import ProcessGroup, all_reduce, group_rank, group_size
 from ..layers import VocabParallelEmbedding
+from ..parallel.grads import replica_views
 from ..sharding import local_tensor, split_parameters
 
 
@@ -49,15 +50,18 @@ def clip_grad_norm_tp(model: nn.Module, max_norm: float, tp_group: ProcessGroup 
     norm before clipping as a 0-dim tensor on the grads' device (identical on all ranks): per-tensor
     norms by ``torch._foreach_norm`` (at least fp32) and the scale applied on the device, so the
     step needs no host sync here. ``shard_group``: the group over which every gradient is sharded
-    (FSDP's dp group; each rank holds another part of each tensor), whose squares are summed too."""
+    (FSDP's dp group; each rank holds another part of each tensor), whose squares are summed too.
+    Pieces replicated over TP (grouped-query key/value heads at ``g < t``) count once."""
     sharded = split_parameters(model) if group_size(tp_group) > 1 else set()
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return torch.zeros(())
     grads = [local_tensor(p.grad.detach()) for p in params]
+    views = replica_views(model, group_rank(tp_group), group_size(tp_group)) if sharded else {}
+    parts = [(v, id(p) in sharded) for p, g in zip(params, grads) for v in views.get(id(p), [g])]
     acc = torch.promote_types(grads[0].dtype, torch.float32)
-    norms = torch.stack(torch._foreach_norm([g if g.dtype == acc else g.to(acc) for g in grads])) ** 2
-    split = torch.tensor([float(id(p) in sharded) for p in params], dtype=norms.dtype, device=norms.device)
+    norms = torch.stack(torch._foreach_norm([g if g.dtype == acc else g.to(acc) for g, _ in parts])) ** 2
+    split = torch.tensor([float(s) for _, s in parts], dtype=norms.dtype, device=norms.device)
     sq = torch.stack([(norms * split).sum(), (norms * (1 - split)).sum()])  # [split, replicated]; no masks: no sync
     shard_sq = sq[0:1].clone()
     all_reduce(shard_sq, tp_group)
