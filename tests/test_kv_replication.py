@@ -186,3 +186,15 @@ def test_kv_heads_fewer_than_t_are_accepted_and_non_multiples_refused():
         bad.check_parallel(4)
     with pytest.raises(ValueError, match="groups"):
         ParamLayout(split_dim=0, chunks=(12, 3, 3), groups=(12, 3, 3)).parts(4)
+
+
+def test_parallelize_refuses_kv_heads_that_t_neither_divides_nor_multiplies():
+    transformers = pytest.importorskip("transformers")
+    from seqpar.dropin.kv_heads import check_kv, kv_groups
+    cfg = transformers.LlamaConfig(vocab_size=HV, hidden_size=48, intermediate_size=48, num_hidden_layers=1,
+                                   num_attention_heads=12, num_key_value_heads=3)
+    model, plan = transformers.LlamaForCausalLM(cfg), seqpar.plans.llama()
+    (error,) = check_kv(model, plan, 4)
+    assert "num_key_value_heads = 3" in error and "t=4" in error
+    assert check_kv(model, plan, 6) == [] and kv_groups(model, plan, 6) == (3,)  # t = 2g: replicated
+    assert check_kv(model, plan, 3) == [] and kv_groups(model, plan, 3) is None  # t = g: plainly split
