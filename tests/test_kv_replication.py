@@ -3,7 +3,7 @@ one key/value head its query heads use, replicated over the t/g ranks sharing it
 summed over exactly them. At t=4 with g=2 and g=1 the model equals t=1 (loss, dense gradients,
 clip norm; SP and recompute), checkpoints move between t=4 and t=1, and Hugging Face Llama
 models give the same logits and gradients through from_hf and through seqpar.parallelize."""
-import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -198,3 +198,21 @@ def test_parallelize_refuses_kv_heads_that_t_neither_divides_nor_multiplies():
     assert "num_key_value_heads = 3" in error and "t=4" in error
     assert check_kv(model, plan, 6) == [] and kv_groups(model, plan, 6) == (3,)  # t = 2g: replicated
     assert check_kv(model, plan, 3) == [] and kv_groups(model, plan, 3) is None  # t = g: plainly split
+
+
+def _trainer_curves(rank, world, tmp, layouts):
+    from test_fsdp import _curve, _trainer
+    return {(tp, g): _curve(_trainer(Path(tmp) / f"t{tp}g{g}", tp, model__kv_heads=g), 4) for tp, g in layouts}
+
+
+def test_trainer_with_fsdp_and_replicated_kv_heads_trains_like_one_rank(spawn, tmp_path):
+    """FSDP2 (t=2, dp=2, g=1) and t=4 (g=2): the replicas' gradient sum in backward composes with
+    FSDP's reduce-scatter and the Trainer's clip; loss and grad norm curves equal one rank's."""
+    for tp, g in ((1, 1), (1, 2), (2, 1), (4, 2)):
+        (tmp_path / f"t{tp}g{g}").mkdir()
+    ref = spawn(_trainer_curves, 1, str(tmp_path), [(1, 1), (1, 2)])[0]
+    for rank, r in enumerate(spawn(_trainer_curves, 4, str(tmp_path), [(2, 1), (4, 2)])):
+        for (tp, g), curve in r.items():
+            for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(curve, ref[(1, g)])):
+                assert abs(loss - ref_loss) < 1e-5 * abs(ref_loss), f"rank {rank} t={tp} g={g} step {step}"
+                assert abs(norm - ref_norm) < 1e-5 * abs(ref_norm), f"rank {rank} t={tp} g={g} step {step}"
