@@ -11,7 +11,10 @@ has to declare its layout.
 A split parameter with ``chunks = c`` is ``c`` equal blocks along ``split_dim`` in the dense
 tensor (fused ``[q; k; v]``: 3, fused ``[gate; up]``: 2), each block split over the ranks
 separately: rank ``r`` holds ``[c_0,r; c_1,r; ...]``, so its rows of every block are contiguous.
-Blocks may differ in size (grouped-query ``[q; k; v]``), each divisible by ``t``.
+Blocks may differ in size (grouped-query ``[q; k; v]``), each divisible by ``t``. A block of
+fewer heads than ranks (``ParamLayout.groups``: grouped-query key/value heads at ``g < t``) is
+split over its heads instead, each head held by the ``t/g`` consecutive ranks sharing it: a dense
+tensor takes it from the first of them, and a norm counts it once (:func:`counted_parts`).
 """
 from __future__ import annotations
 
