@@ -11,7 +11,10 @@ has to declare its layout.
 A split parameter with ``chunks = c`` is ``c`` equal blocks along ``split_dim`` in the dense
 tensor (fused ``[q; k; v]``: 3, fused ``[gate; up]``: 2), each block split over the ranks
 separately: rank ``r`` holds ``[c_0,r; c_1,r; ...]``, so its rows of every block are contiguous.
-Blocks may differ in size (grouped-query ``[q; k; v]``), each divisible by ``t``.
+Blocks may differ in size (grouped-query ``[q; k; v]``), each divisible by ``t``. A block of
+fewer heads than ranks (``ParamLayout.groups``: grouped-query key/value heads at ``g < t``) is
+split over its heads instead, each head held by the ``t/g`` consecutive ranks sharing it: a dense
+tensor takes it from the first of them, and a norm counts it once (:func:`counted_parts`).
 """
 from __future__ import annotations
 
@@ -49,21 +52,22 @@ def local_shape(full_shape: Iterable[int], layout: ParamLayout, t: int) -> torch
 def dense_shape(local: Iterable[int], layout: ParamLayout, t: int) -> torch.Size:
     shape = list(local)
     if layout.is_split:
-        shape[layout.split_dim] *= t
+        shape[layout.split_dim] = layout.dense_size(shape[layout.split_dim], t)
     return torch.Size(shape)
 
 
 def shard(full: torch.Tensor, layout: ParamLayout, rank: int, t: int) -> torch.Tensor:
     """This rank's part of the dense tensor ``full`` (a view when it is one contiguous block; no
-    communication): the ``rank``-th ``1/t`` of every chunk, concatenated."""
+    communication): its piece of every chunk (the ``rank``-th ``1/t``, or the piece of its
+    replica set for grouped chunks, see :class:`ParamLayout`), concatenated."""
     if not layout.is_split or t == 1:
         return full
     dim = layout.split_dim
     sizes = layout.chunk_sizes(full.shape[dim], t)  # also checks divisibility, naming the shape
-    if len(sizes) == 1:
-        return full.narrow(dim, rank * sizes[0], sizes[0])
-    blocks = full.split([n * t for n in sizes], dim)
-    return torch.cat([b.narrow(dim, rank * n, n) for b, n in zip(blocks, sizes)], dim)
+    blocks = layout.blocks(sum(sizes), rank, t)
+    if len(blocks) == 1:
+        return full.narrow(dim, blocks[0][2], blocks[0][1])
+    return torch.cat([full.narrow(dim, start, n) for _, n, start in blocks], dim)
 
 
 def unshard(local: torch.Tensor, layout: ParamLayout, group: ProcessGroup | None) -> torch.Tensor:
@@ -75,11 +79,30 @@ def unshard(local: torch.Tensor, layout: ParamLayout, group: ProcessGroup | None
         return local.clone()
     dim = layout.split_dim
     gathered = all_gather_dim(local, group, dim)  # [rank 0's part; rank 1's part; ...]
-    sizes = layout.chunk_sizes(gathered.shape[dim], t)
-    if len(sizes) == 1:
+    sizes = layout.chunk_sizes(layout.dense_size(local.shape[dim], t), t)
+    if len(sizes) == 1 and not layout.is_replicated(t):
         return gathered
     pieces = [part.split(sizes, dim) for part in gathered.chunk(t, dim)]  # [rank][chunk]
-    return torch.cat([pieces[r][c] for c in range(len(sizes)) for r in range(t)], dim)
+    # each chunk's pieces in order, a replicated piece taken from the first rank holding it
+    return torch.cat([pieces[r][c] for c, rep in enumerate(layout.replicas(t)) for r in range(0, t, rep)], dim)
+
+
+def counted_parts(x: torch.Tensor, layout: ParamLayout, local_size: int, rank: int, t: int, *,
+                  row_start: int = 0) -> list[torch.Tensor]:
+    """Views of ``x`` that this rank counts in a global norm over TP, so that a replicated piece
+    (:meth:`ParamLayout.is_replicated`) counts once: ``[x]`` for a parameter without replicas.
+    ``x``: this rank's local tensor of extent ``local_size`` along ``split_dim``, or (FSDP) its
+    dim-0 rows from ``row_start`` on."""
+    if not layout.is_replicated(t):
+        return [x]
+    dim, out = layout.split_dim, []
+    lo = row_start if dim == 0 else 0
+    hi = lo + x.shape[dim]
+    for (start, n, _), counted in zip(layout.blocks(local_size, rank, t), layout.counted(rank, t)):
+        a, b = max(lo, start), min(hi, start + n)
+        if counted and b > a:
+            out.append(x.narrow(dim, a - lo, b - a))
+    return out
 
 
 def to_dense(model: nn.Module, local: Mapping[str, torch.Tensor], group: ProcessGroup | None) -> dict[str, torch.Tensor]:
@@ -119,4 +142,4 @@ def dense_shapes(model: nn.Module, group: ProcessGroup | None) -> dict[str, torc
 
 __all__ = ["local_tensor", "ParamLayout", "REPLICATED", "SP_REPLICATED", "mark_sp_replicated", "module_layouts", "param_layouts",
            "sp_replicated_parameters", "split_parameters", "interleave", "local_shape", "dense_shape", "shard",
-           "unshard", "to_dense", "to_local", "dense_shapes", "copy_into"]
+           "unshard", "counted_parts", "to_dense", "to_local", "dense_shapes", "copy_into"]

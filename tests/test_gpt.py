@@ -119,8 +119,9 @@ def test_config_errors_name_the_values():
     with pytest.raises(ValueError, match=r"heads \(6\).*hidden \(30\).*seq_len \(15") as err:
         GPTConfig(vocab_size=63, seq_len=15, hidden=30, heads=6, layers=1).check_parallel(4)
     assert "vocab_size" not in str(err.value)  # any vocabulary: padded to a multiple of t inside the model
-    with pytest.raises(ValueError, match=r"t=4: kv_heads \(2; heads=8"):
-        GPTConfig(hidden=32, heads=8, kv_heads=2, ffn_hidden=64).check_parallel(4)
+    GPTConfig(hidden=32, heads=8, kv_heads=2, ffn_hidden=64).check_parallel(4)  # g < t: heads replicated
+    with pytest.raises(ValueError, match=r"kv_heads \(3; heads=12\) and the tensor-parallel size t=4"):
+        GPTConfig(hidden=48, heads=12, kv_heads=3, ffn_hidden=64).check_parallel(4)
     with pytest.raises(ValueError, match=r"kv_heads \(3\) must be a positive integer dividing heads \(8\)"):
         GPTConfig(hidden=32, heads=8, kv_heads=3).validate()
     with pytest.raises(ValueError, match=r"hidden \(30\) must be divisible by heads \(4\)"):

@@ -67,7 +67,7 @@ def _ranks(rank, world):
     out[("gpt2", "rng_streams")] = runs
     errors = []
     for build, plan, kw in ((gpt2, plans.gpt2, dict(n_embd=33, n_head=3)),
-                            (llama, plans.llama, dict(num_key_value_heads=1)),
+                            (llama, plans.llama, dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=3)),
                             (gpt2, lambda: Plan(layers={"transformer.h.*.attn.c_attn": "column"}), {}),
                             (gpt2, lambda: dataclasses.replace(plans.gpt2(), seq_dim=None), {})):
         model = build(**kw)
@@ -142,7 +142,7 @@ def test_checkpoint_attention_is_rng_exact_under_tp_sp(ranks, name):
 def test_plan_errors_name_the_problem_and_change_nothing(ranks):
     (heads, _), (gqa, _), (sp, _), (seq_dim, _) = errors = ranks[0]["errors"]
     assert "config.n_head = 3 not divisible by t=2" in heads and "out_features 99 not divisible" in heads
-    assert "config.num_key_value_heads = 1 not divisible by t=2" in gqa
+    assert "config.num_key_value_heads = 3 and t=2: t must divide it or be a multiple of it" in gqa
     assert "plan.sp_start" in sp  # sequence parallelism needs the region's boundaries
     assert "plan.seq_dim" in seq_dim and "1 for batch-first [b, s, h]" in seq_dim  # and the sequence dim stated
     assert not any(touched for _, touched in errors), "a rejected plan must leave the model unchanged"

@@ -62,10 +62,8 @@ def dense_pieces(x: torch.Tensor, layout: ParamLayout, local_full: torch.Size, t
     if not layout.is_split or t == 1:
         blocks = [(None, 0, 0, 0)]  # (dim, local start, size, dense start) of the whole
     else:
-        d = layout.split_dim
-        sizes = layout.chunk_sizes(local_full[d] * t, t)
-        starts = [sum(sizes[:c]) for c in range(len(sizes))]
-        blocks = [(d, s, n, t * s + tp_rank * n) for s, n in zip(starts, sizes)]
+        d = layout.split_dim  # replicated pieces (g < t key/value heads) are written once: DCP dedups them
+        blocks = [(d, s, n, dense_s) for s, n, dense_s in layout.blocks(local_full[d], tp_rank, t)]
     a, b = _rows_of(x, row_start)
     out = []
     for d, s, n, dense_s in blocks:

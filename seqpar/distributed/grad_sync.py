@@ -17,14 +17,22 @@ declare it only when sequence parallelism is on. Use exactly one of the two ways
 Each hooked parameter is recorded on its module, so calling :func:`sync_sp_replicated_grads`
 on a model whose gradients the hooks already sum (or installing the hooks twice) raises instead
 of summing twice.
+
+Grouped-query attention with fewer key/value heads than TP ranks (``g < t``) replicates each
+key/value head over the ``t/g`` ranks whose query heads use it. Each of those ranks' weight
+gradients of the head is a partial sum (its own query heads only); :func:`replica_grad_sum`
+sums them inside backward, at the weight, so every consumer -- gradient accumulation, FSDP2's
+reduce-scatter of the unsharded gradient, pipeline stages, recompute -- sees the full gradient
+and nothing after backward needs to know. (The input gradient needs nothing: each rank's
+partial key/value gradient times the shared weight is already its share of the TP sum.)
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
-from .layouts import mark_sp_replicated, module_layouts, sp_replicated_parameters
-from .collectives import ProcessGroup, all_reduce, group_size
+from .layouts import ParamLayout, mark_sp_replicated, module_layouts, sp_replicated_parameters
+from .collectives import ProcessGroup, all_reduce, group_rank, group_size
 
 HOOKED = "_seqpar_sp_grad_hooked"  # on a module: {own parameter name: id(parameter)} of those with a TP-sum hook
 
@@ -120,5 +128,53 @@ def install_sp_grad_hooks(model: nn.Module, tp_group: ProcessGroup | None) -> li
     return handles
 
 
-__all__ = ["mark_sp_replicated", "sp_replicated_parameters", "sync_sp_replicated_grads", "install_sp_grad_hooks",
+def sum_over_replicas(grad: torch.Tensor, layout: ParamLayout, group: ProcessGroup | None) -> torch.Tensor:
+    """``grad`` (this rank's local gradient of a parameter laid out by ``layout``) with every
+    replicated piece summed over the ranks sharing it. One all-reduce over TP per replica count:
+    each rank writes its piece into the slot of its replica set in a zero buffer of one slot per
+    piece, so the sum of slot ``j`` is the sum over exactly the ranks holding piece ``j`` (no
+    subgroups to create; ``parts`` times the piece's bytes on the wire)."""
+    t, rank = group_size(group), group_rank(group)
+    if not layout.is_replicated(t):
+        return grad
+    dim = layout.split_dim
+    sizes = [n for _, n, _ in layout.blocks(grad.shape[dim], rank, t)]
+    pieces = list(grad.split(sizes, dim))
+    reps = layout.replicas(t)
+    for rep in sorted({r for r in reps if r > 1}):
+        cs = [c for c, r in enumerate(reps) if r == rep]
+        flat = torch.cat([pieces[c].reshape(-1) for c in cs])
+        slots = flat.new_zeros(t // rep, flat.numel())  # [pieces, numel]
+        slots[rank // rep] = flat
+        all_reduce(slots, group)
+        for c, summed in zip(cs, slots[rank // rep].split([pieces[c].numel() for c in cs])):
+            pieces[c] = summed.view_as(pieces[c])
+    return torch.cat(pieces, dim)
+
+
+class _ReplicaGradSum(torch.autograd.Function):
+    """Identity forward; backward sums the replicated pieces of the gradient over the TP ranks
+    that share them (:func:`sum_over_replicas`)."""
+
+    @staticmethod
+    def forward(ctx, param, layout, group):
+        ctx.layout, ctx.group = layout, group
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return sum_over_replicas(grad.contiguous(), ctx.layout, ctx.group), None, None
+
+
+def replica_grad_sum(param: torch.Tensor | None, layout: ParamLayout, group: ProcessGroup | None):
+    """``param`` as it enters the layer's computation: itself when ``layout`` has no replicas
+    over ``group`` (or it is frozen), else an identity whose backward sums the replicated
+    pieces' gradients over the ranks sharing them. Layers call it on each weight and bias in
+    forward."""
+    if param is None or not param.requires_grad or not layout.is_replicated(group_size(group)):
+        return param
+    return _ReplicaGradSum.apply(param, layout, group)
+
+
+__all__ = ["replica_grad_sum", "sum_over_replicas", "mark_sp_replicated", "sp_replicated_parameters", "sync_sp_replicated_grads", "install_sp_grad_hooks",
            "hooked_parameters", "GradHookHandle"]

@@ -16,9 +16,9 @@ Import everything but ``parallelize`` and the ready plans from here.
 from .attention import checkpoint_attention
 from .modes import check_groups, set_sequence_parallel
 from .pretrained import load_pretrained, save_pretrained
-from .spec import Parallelized, Plan, Style
+from .spec import KVHeads, Parallelized, Plan, Style
 from .state_dict import dense_state_dict, load_dense_state_dict
 from .wrappers import unwrap
 
-__all__ = ["Parallelized", "Plan", "Style", "check_groups", "checkpoint_attention", "dense_state_dict",
+__all__ = ["KVHeads", "Parallelized", "Plan", "Style", "check_groups", "checkpoint_attention", "dense_state_dict",
            "load_dense_state_dict", "load_pretrained", "save_pretrained", "set_sequence_parallel", "unwrap"]

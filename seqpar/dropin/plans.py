@@ -10,6 +10,7 @@ full sequence as usual (and q / k leave their column layers with the full sequen
 """
 from __future__ import annotations
 
+from .spec import KVHeads
 from .tensor_parallel import Plan, Style
 
 
@@ -43,9 +44,11 @@ def llama() -> Plan:
     """For ``LlamaForCausalLM``: q / k / v / gate / up column-parallel, o / down row-parallel,
     RMSNorms on sequence shards. The attention module reshapes by its input's shape, so it is
     entered with the full sequence (``enter_tp``: one all-gather shared by q, k and v, one
-    reduce-scatter of their summed input gradients). Grouped-query attention splits the key/value heads too, so both
-    ``num_attention_heads`` and ``num_key_value_heads`` must be divisible by t (each rank then
-    keeps whole query groups with their key/value head). The rotary embedding stays replicated:
+    reduce-scatter of their summed input gradients). Grouped-query attention splits the key/value
+    heads too: ``num_attention_heads`` must be divisible by t, and t must divide
+    ``num_key_value_heads`` or be a multiple of it (then each key/value head is held by the
+    ``t/g`` ranks whose query heads use it, and ``num_key_value_groups`` becomes ``a/t``; its
+    gradient is summed over those ranks in backward). The rotary embedding stays replicated:
     it is computed once per step for the full sequence and applied after the column layers'
     all-gather. Per-rank head attributes that some ``transformers`` releases keep on the module
     (``num_heads``, ``num_key_value_heads``, ``hidden_size``) are divided where present."""
@@ -66,8 +69,11 @@ def llama() -> Plan:
             "model.norm": "sequence",
             "lm_head": "vocab",
         },
-        heads={f"{block}.self_attn": ("num_heads", "num_key_value_heads", "hidden_size")},
-        divisible=("num_attention_heads", "num_key_value_heads"),
+        heads={f"{block}.self_attn": ("num_heads", "hidden_size")},
+        divisible=("num_attention_heads",),
+        kv=KVHeads("num_key_value_heads", (f"{block}.self_attn.k_proj", f"{block}.self_attn.v_proj"),
+                   heads={f"{block}.self_attn": ("num_key_value_heads",)},
+                   groups={f"{block}.self_attn": ("num_key_value_groups",)}),
         sp_start="model.layers.0",
         sp_end="model.norm",
         seq_dim=1,  # hidden states [b, s, h]

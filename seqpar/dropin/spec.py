@@ -33,6 +33,27 @@ class Style:
     chunks: int = 1  # column only: the output is `chunks` equal blocks split separately (fused [q; k; v]: 3)
 
 
+@dataclass(frozen=True)
+class KVHeads:
+    """Grouped-query attention's key/value heads, which may be fewer than ``t``.
+
+    ``config``: the ``model.config`` attribute holding their number ``g``. ``layers``: patterns of
+    the column layers holding them, split by whole heads: over ``t`` ranks when ``t`` divides
+    ``g``, else (``t`` a multiple of ``g``) each head held by the ``t/g`` consecutive ranks whose
+    query heads use it, its gradient summed over them in backward. Per module pattern, int
+    attributes set where present: ``heads`` count this rank's key/value heads (``g/t``, or 1),
+    ``groups`` its query heads per key/value head (unchanged, or divided by ``t/g``)."""
+
+    config: str
+    layers: tuple[str, ...]
+    heads: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def parts(self, g: int, t: int) -> int:
+        """How many distinct pieces the heads are split into (``t``, or ``g`` when ``t > g``)."""
+        return t if g % t == 0 else g
+
+
 @dataclass(frozen=True, eq=False)
 class Plan:
     """Which modules become what. Patterns are dotted module names where ``*`` matches one name
@@ -49,6 +70,7 @@ class Plan:
     sp_start: str | None = None      # its input hidden states are scattered into sequence shards
     sp_end: str | None = None        # its output is all-gathered back to full sequences
     seq_dim: int | None = None       # sequence dim of the hidden states (1: [b, s, h]); required for SP
+    kv: KVHeads | None = None        # key/value heads that may be fewer than t (grouped-query attention)
 
 
 @dataclass
@@ -65,4 +87,4 @@ class Parallelized:
     grad_handles: list = field(default_factory=list)  # TP-sum hooks of the SP-replicated gradients
 
 
-__all__ = ["Kind", "KINDS", "SPLIT", "Style", "Plan", "Parallelized"]
+__all__ = ["Kind", "KINDS", "SPLIT", "Style", "KVHeads", "Plan", "Parallelized"]

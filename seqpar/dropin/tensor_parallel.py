@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from ..distributed.collectives import ProcessGroup, check_group, group_size
 from ..distributed.mesh import ParallelMesh
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, skip_init
+from .kv_heads import check_kv, kv_groups, set_kv_attrs
 from .modes import check_groups, check_sp_plan, install_mode
 from .spec import KINDS, SPLIT, Parallelized, Plan, Style
 from .wrappers import _is_fsdp, unwrap
@@ -64,7 +65,7 @@ def _style(value: str | Style, pattern: str) -> Style:
     return style
 
 
-def _check_module(name: str, m: nn.Module, style: Style, t: int) -> list[str]:
+def _check_module(name: str, m: nn.Module, style: Style, t: int, groups: tuple[int] | None = None) -> list[str]:
     linear = isinstance(m, nn.Linear) or _is_conv1d(m)
     if style.kind in ("column", "row") and not linear:
         return [f"{name} ({style.kind}) must be nn.Linear or Conv1D, got {type(m).__name__}"]
@@ -78,6 +79,9 @@ def _check_module(name: str, m: nn.Module, style: Style, t: int) -> list[str]:
     out, inp = _linear_dense(m)[0].shape
     if style.kind == "row":
         return [f"{name} (row): in_features {inp} not divisible by t={t}"] if inp % t else []
+    if groups is not None:  # key/value heads fewer than t: whole heads, each on t/g ranks
+        return [f"{name} ({style.kind}): out_features {out} not divisible by its {groups[0]} heads"] if out % groups[0] \
+            else []
     if out % (style.chunks * t):
         return [f"{name} ({style.kind}): out_features {out} not divisible by t={t} x chunks={style.chunks}"]
     return []
@@ -87,6 +91,7 @@ def _check(model: nn.Module, plan: Plan, t: int, sp: bool) -> dict[str, Style]:
     """Resolve the plan to ``{module name: Style}``; raise one ValueError listing every problem."""
     errors, resolved = [], {}
     where = type(model).__name__
+    kv = _kv_names(model, plan, t)
     for pattern, value in plan.layers.items():
         style, names = _style(value, pattern), _matches(model, pattern)
         if not names:
@@ -96,7 +101,7 @@ def _check(model: nn.Module, plan: Plan, t: int, sp: bool) -> dict[str, Style]:
             if name in resolved:
                 errors.append(f"{name} is named by more than one plan entry")
             resolved[name] = style
-            errors += _check_module(name, m, style, t)
+            errors += _check_module(name, m, style, t, kv.get(name))
     shared: dict[int, list[str]] = {}
     for name, st in resolved.items():
         if st.kind in SPLIT:
@@ -121,6 +126,7 @@ def _check(model: nn.Module, plan: Plan, t: int, sp: bool) -> dict[str, Style]:
         v = getattr(config, a, None)
         if isinstance(v, int) and v % t:
             errors.append(f"config.{a} = {v} not divisible by t={t}")
+    errors += check_kv(model, plan, t)
     errors += check_sp_plan(model, plan) if sp else []
     if errors:
         raise ValueError("parallelize: " + "; ".join(errors))
@@ -134,7 +140,7 @@ class _GatheredColumn(ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features)
-        return F.linear(x, self.weight, self.bias)  # [b, s, in] -> [b, s, out/t]
+        return F.linear(x, *self.summed_params())  # [b, s, in] -> [b, s, out/t]
 
     def _get_name(self) -> str:  # printed as what it is to the user: a column-parallel layer
         return "ColumnParallelLinear"
@@ -143,7 +149,16 @@ class _GatheredColumn(ColumnParallelLinear):
         return super().extra_repr() + ", input gathered on entry to the enclosing enter_tp module"
 
 
-def _build(m: nn.Module, style: Style, group: ProcessGroup | None, entered: bool) -> nn.Module:
+def _kv_names(model: nn.Module, plan: Plan, t: int) -> dict[str, tuple[int]]:
+    """Key/value column layers whose heads are fewer than ``t`` -> the ``groups`` they declare."""
+    groups = kv_groups(model, plan, t) if plan.kv is not None and not check_kv(model, plan, t) else None
+    if groups is None:
+        return {}
+    return {name: groups for pattern in plan.kv.layers for name in _matches(model, pattern)}
+
+
+def _build(m: nn.Module, style: Style, group: ProcessGroup | None, entered: bool,
+           groups: tuple[int] | None = None) -> nn.Module:
     """The seqpar layer holding this rank's slice of ``m``'s weights (its sequence-parallel mode
     and ``seq_dim`` are set afterwards, by :func:`~seqpar.dropin.modes.install_mode`)."""
     if isinstance(m, nn.Embedding):
@@ -156,6 +171,8 @@ def _build(m: nn.Module, style: Style, group: ProcessGroup | None, entered: bool
     w, b = _linear_dense(m)
     out_f, in_f = w.shape
     kw = dict(bias=b is not None, tp_group=group, dtype=w.dtype, device=w.device, init_method=skip_init)
+    if groups is not None:
+        kw["groups"] = groups  # whole key/value heads, each replicated over t/g ranks
     if style.kind == "row":
         new = RowParallelLinear(in_f, out_f, **kw)
     elif entered and style.kind == "column":
@@ -176,7 +193,8 @@ def _refuse_wrapped(model: nn.Module) -> None:
         raise ValueError("parallelize: this model has already been parallelized")
 
 
-def _swap(model: nn.Module, resolved: dict[str, Style], group: ProcessGroup | None) -> dict[str, tuple[Style, bool]]:
+def _swap(model: nn.Module, resolved: dict[str, Style], group: ProcessGroup | None,
+          kv: dict[str, tuple[int]]) -> dict[str, tuple[Style, bool]]:
     """Replace every split module by its seqpar layer; keep ``requires_grad`` and weight ties."""
     entries = _entries(resolved)
     swapped: dict[str, tuple[Style, bool]] = {}
@@ -185,7 +203,7 @@ def _swap(model: nn.Module, resolved: dict[str, Style], group: ProcessGroup | No
         if style.kind not in SPLIT:
             continue
         m = model.get_submodule(name)
-        new = _build(m, style, group, _entered(name, entries))
+        new = _build(m, style, group, _entered(name, entries), kv.get(name))
         for p_new, p_old in zip(new.parameters(), m.parameters()):
             p_new.requires_grad_(p_old.requires_grad)  # frozen weights stay frozen
         if id(m.weight) in ties:  # re-tie what the original modules shared (embedding <-> LM head)
@@ -226,13 +244,14 @@ def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style], mesh: Par
     sp = bool(sequence_parallel) and t > 1
     resolved = _check(inner, plan, t, sp)
     check_groups(inner, mesh)  # seqpar layers the model already holds must use the same TP group
-    swapped = _swap(inner, resolved, group)
+    swapped = _swap(inner, resolved, group, _kv_names(inner, plan, t))
     for pattern, attrs in plan.heads.items():
         for name in _matches(inner, pattern):
             m = inner.get_submodule(name)
             for a in attrs:
                 if isinstance(getattr(m, a, None), int):
                     setattr(m, a, getattr(m, a) // t)  # this rank's heads / width
+    set_kv_attrs(inner, plan, t, _matches)
     state = Parallelized(group, t, sp, swapped, plan=plan, resolved=resolved)
     install_mode(inner, state)
     inner.seqpar = state

@@ -35,6 +35,9 @@ def build_param(full_shape: tuple[int, ...], layout: ParamLayout, tp_rank: int, 
     shape = local_shape(full_shape, layout, tp_size)
     if init is skip_init:
         return nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+    if per_shard_init and layout.is_replicated(tp_size):
+        raise ValueError(f"per_shard_init draws each rank's shard from its own stream, so the ranks sharing a "
+                         f"replicated block (groups={layout.groups}, t={tp_size}) would disagree; use the master init")
     if per_shard_init and tp_size > 1 and layout.is_split:
         local = torch.empty(shape, dtype=dtype, device=device)
         seed = int(torch.randint(0, 2**62, (1,)).item()) + tp_rank  # same draw on all ranks, offset by rank

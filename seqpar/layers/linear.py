@@ -31,6 +31,7 @@ from ..distributed.collectives import (
     reduce_scatter_dim,
     reduce_scatter_dim0,
 )
+from ..distributed.grad_sync import replica_grad_sum
 from ..distributed.regions import gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, split_to_tp
 from ..sharding import REPLICATED, SP_REPLICATED, ParamLayout, shard, unshard
 from ._init import InitMethod, build_param, default_linear_init, skip_init
@@ -189,21 +190,25 @@ class ColumnParallelLinear(_ParallelLinearBase):
     relative sizes, e.g. grouped-query ``(a, g, g)``) split over TP separately, so
     rank ``r`` computes its part of each block. ``gather_output=True`` all-gathers the output's
     last dim to ``[s, b, out]`` (in this rank-major order when ``chunks > 1``).
+    ``groups``: per chunk, its number of heads (or None), for heads that may be fewer than ``t``:
+    such a chunk is split over its heads and each head replicated over ``t/heads`` consecutive
+    ranks (grouped-query key/value heads at ``t > g``), its gradient summed over those ranks in
+    backward. See :class:`~seqpar.sharding.ParamLayout`.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group: ProcessGroup | None = None,
                  sequence_parallel: bool = False, gather_output: bool = False, dtype: torch.dtype | None = None,
                  device=None, init_method: InitMethod | None = None, per_shard_init: bool = False, seq_dim: int = 0,
-                 chunks: int | tuple[int, ...] = 1):
+                 chunks: int | tuple[int, ...] = 1, groups: tuple[int | None, ...] | None = None):
         super().__init__()
         self._setup(in_features, out_features, tp_group, sequence_parallel, seq_dim)
-        layout = ParamLayout(split_dim=0, chunks=chunks)  # validates chunks
+        layout = ParamLayout(split_dim=0, chunks=chunks, groups=groups)  # validates chunks and groups
         try:
             layout.chunk_sizes(out_features, self.tp_size)
-        except ValueError:
+        except ValueError as e:
             raise ValueError(f"ColumnParallelLinear: out_features {out_features} is not divisible by t={self.tp_size} "
-                             f"x chunks={chunks}") from None
-        self.gather_output, self.chunks = gather_output, chunks
+                             f"x chunks={chunks}" + (f" ({e})" if groups else "")) from None
+        self.gather_output, self.chunks, self.groups = gather_output, chunks, groups
         self.weight = build_param((out_features, in_features), layout, self.tp_rank, self.tp_size,
                                   init_method or default_linear_init, dtype=dtype, device=device,
                                   per_shard_init=per_shard_init)
@@ -211,12 +216,20 @@ class ColumnParallelLinear(_ParallelLinearBase):
                                 per_shard_init)
 
     def param_layouts(self) -> dict[str, ParamLayout]:
-        layout = ParamLayout(split_dim=0, chunks=self.chunks)
+        layout = ParamLayout(split_dim=0, chunks=self.chunks, groups=self.groups)
         return {"weight": layout, "bias": layout}
+
+    def summed_params(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weight and bias as the matmul uses them: replicated heads' gradients summed over the
+        ranks sharing them in backward (:func:`~seqpar.distributed.grad_sync.replica_grad_sum`)."""
+        layout = self.param_layouts()["weight"]
+        return (replica_grad_sum(self.weight, layout, self.tp_group),
+                replica_grad_sum(self.bias, layout, self.tp_group))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features)
-        out = column_parallel_linear(x, self.weight, self.bias, tp_group=self.tp_group,
+        weight, bias = self.summed_params()
+        out = column_parallel_linear(x, weight, bias, tp_group=self.tp_group,
                                      sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim)
         return gather_from_tp(out, self.tp_group) if self.gather_output else out
 
@@ -270,7 +283,7 @@ def _build_bias(out_features, in_features, layout, layer, bias, init_method, dty
         init = lambda b: nn.init.uniform_(b, -bound, bound)  # noqa: E731
     else:
         init = nn.init.zeros_
-    layout = ParamLayout(split_dim=0, chunks=layout.chunks) if layout.is_split else REPLICATED
+    layout = ParamLayout(split_dim=0, chunks=layout.chunks, groups=layout.groups) if layout.is_split else REPLICATED
     return build_param((out_features,), layout, layer.tp_rank, layer.tp_size, init, dtype=dtype, device=device,
                        per_shard_init=per_shard_init)
 

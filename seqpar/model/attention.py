@@ -5,7 +5,10 @@ grouped-query attention). The fused QKV layer is column-parallel with chunks ``(
 dense weight is ``[q; k; v]`` and rank ``r`` holds ``[q_r; k_r; v_r]`` (its heads of each), as
 its layout declares (:mod:`seqpar.sharding`), so the dense state dict stays layout-invariant.
 Query head ``i`` attends with key/value head ``i // (a/g)`` (Hugging Face's ``repeat_kv`` order),
-which keeps each rank's query heads with their own key/value heads.
+which keeps each rank's query heads with their own key/value heads. With fewer key/value heads
+than ranks (``g < t``, ``t`` a multiple of ``g``) rank ``r`` holds the one head ``r // (t/g)`` its
+query heads use, replicated over those ``t/g`` ranks (layout ``groups=(a, g, g)``); the head's
+gradient is summed over exactly them in backward, inside the column layer.
 """
 from __future__ import annotations
 
@@ -92,14 +95,17 @@ class SelfAttention(nn.Module):
         h, dt, sp = config.hidden, config.torch_dtype, config.sequence_parallel
         a, g, d = config.heads, config.num_kv_heads, config.head_dim
         std, out_std = layer_std
-        self.local_heads, self.local_kv_heads, self.head_dim = a // t, g // t, d
+        kv_local = max(1, g // t)  # g < t: one head, shared with the t/g ranks using it
+        self.local_heads, self.local_kv_heads, self.head_dim = a // t, kv_local, d
         self.streams = streams
         self.recompute = False  # set by the model for selective recomputation
 
         chunks = 3 if g == a else (a, g, g)
+        groups = (a, g, g) if g < t else None  # declared only where heads are replicated
         self.qkv = ColumnParallelLinear(h, (a + 2 * g) * d, bias=config.bias, tp_group=tp_group, sequence_parallel=sp,
-                                        dtype=dt, init_method=lambda w: nn.init.normal_(w, 0.0, std), chunks=chunks)
-        self.rope = None if rope is None else RotaryEmbedding(rope, a // t, g // t, d)
+                                        dtype=dt, init_method=lambda w: nn.init.normal_(w, 0.0, std), chunks=chunks,
+                                        groups=groups)
+        self.rope = None if rope is None else RotaryEmbedding(rope, a // t, kv_local, d)
         self.core = CoreAttention(config, streams)
         self.proj = RowParallelLinear(h, h, bias=config.bias, tp_group=tp_group, sequence_parallel=sp, dtype=dt,
                                       init_method=lambda w: nn.init.normal_(w, 0.0, out_std))

@@ -184,9 +184,12 @@ class GPTConfig:
         self.validate()
         bad = [f"{name} ({getattr(self, name)})" for name in ("heads", "hidden", "ffn_hidden")
                if getattr(self, name) % t]
-        if self.kv_heads is not None and self.kv_heads % t:
-            bad.append(f"kv_heads ({self.kv_heads}; heads={self.heads}, each rank needs whole key/value heads)")
         if self.sequence_parallel and self.seq_len % t:
             bad.append(f"seq_len ({self.seq_len}, sequence parallelism)")
         if bad:
             raise ValueError(f"GPTConfig: not divisible by the tensor-parallel size t={t}: {', '.join(bad)}")
+        g = self.kv_heads
+        if g is not None and g % t and t % g:  # g < t: each head replicated over the t/g ranks using it
+            raise ValueError(f"GPTConfig: kv_heads ({g}; heads={self.heads}) and the tensor-parallel size t={t}: "
+                             f"t must divide kv_heads (each rank holds kv_heads/t heads) or be a multiple of it "
+                             f"(each head replicated over t/kv_heads ranks)")

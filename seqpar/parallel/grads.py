@@ -13,7 +13,8 @@ gradient exactly once, reading the layouts (:mod:`seqpar.sharding`) instead of r
 
 With tied embeddings and ``p > 1`` the first stage (lookup) and the last stage (output layer)
 each hold a copy of ``wte.weight``; after backward both copies' gradients are summed over the
-pair, once, so the copies stay equal (:func:`sum_tied_grads`).
+pair, once, so the copies stay equal (:func:`sum_tied_grads`). A split parameter's pieces replicated over TP (grouped-query
+key/value heads at ``g < t``) count once, on the first rank sharing them (:func:`replica_views`).
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..distributed.collectives import ProcessGroup, all_reduce, group_rank, group_size
-from ..sharding import local_tensor, split_parameters
+from ..sharding import counted_parts, local_tensor, param_layouts, split_parameters
+from .fsdp import shard_rows
 
 
 def tied_embedding_group(mesh) -> ProcessGroup | None:
@@ -57,6 +59,24 @@ def sum_tied_grads(params: list[nn.Parameter], group: ProcessGroup | None) -> No
 def _dp_sharded(grad: torch.Tensor) -> bool:
     """A DTensor gradient is FSDP2's: this rank holds one dp shard of it."""
     return local_tensor(grad) is not grad
+
+
+def replica_views(module: nn.Module, tp_rank: int, t: int) -> dict[int, list[torch.Tensor]]:
+    """``id(p)`` -> the views of ``p``'s local gradient (its FSDP2 shard where sharded) that this
+    rank counts in a norm over TP, for each split parameter holding replicated pieces (others are
+    counted whole and are not listed)."""
+    params, out = dict(module.named_parameters()), {}
+    for name, layout in param_layouts(module).items():
+        p = params[name]
+        if p.grad is None or not layout.is_replicated(t):
+            continue
+        local = local_tensor(p.grad.detach())
+        row_start = 0
+        if hasattr(p.grad, "device_mesh") and layout.split_dim == 0:  # FSDP2: this dp rank's dim-0 rows
+            mesh = p.grad.device_mesh
+            row_start = shard_rows(p.shape[0], mesh.get_local_rank(), mesh.size())[0]
+        out[id(p)] = counted_parts(local, layout, p.shape[layout.split_dim], tp_rank, t, row_start=row_start)
+    return out
 
 
 def counted_here(module: nn.Module, *, tp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
@@ -109,7 +129,8 @@ def clip_grad_norm(module: nn.Module, max_norm: float, *, tp_group: ProcessGroup
     grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
     device = grads[0].device if grads else torch.device(device or "cpu")
     counted = counted_here(module, tp_group=tp_group, dp_group=dp_group, exclude=exclude)
-    total = _sum_of_squares([local_tensor(p.grad) for p in counted], device)
+    views = replica_views(module, group_rank(tp_group), group_size(tp_group)) if group_size(tp_group) > 1 else {}
+    total = _sum_of_squares([v for p in counted for v in views.get(id(p), [local_tensor(p.grad)])], device)
     for group in (tp_group, dp_group, pp_group):
         all_reduce(total, group)
     norm = total.sqrt()
@@ -118,4 +139,4 @@ def clip_grad_norm(module: nn.Module, max_norm: float, *, tp_group: ProcessGroup
     return norm
 
 
-__all__ = ["clip_grad_norm", "counted_here", "scale_grads_", "sum_tied_grads", "tied_embedding_group"]
+__all__ = ["clip_grad_norm", "counted_here", "replica_views", "scale_grads_", "sum_tied_grads", "tied_embedding_group"]
