@@ -104,10 +104,10 @@ def _launch(args) -> int:
     from torch.distributed.run import parse_args, run
 
     os.environ[LAUNCHER_ENV] = "1"
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"  # SIGTERM / SIGINT: ours (_Forward)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures: _report below
-    targs = parse_args(["--standalone", f"--nproc-per-node={args.nproc_per_node}",
+    # SIGTERM and SIGINT are _Forward's, not torchrun's (which would end in its SignalException)
+    targs = parse_args(["--standalone", "--signals-to-handle=SIGHUP,SIGQUIT", f"--nproc-per-node={args.nproc_per_node}",
                         f"--max-restarts={args.max_restarts}", "-m", "seqpar.train"]
                        + ([args.config] if args.config else []) + args.overrides)
     forward = _Forward()
