@@ -368,8 +368,8 @@ class Trainer(TrainerCheckpoints):
                 self.log_step(step + 1, m, time.perf_counter() - t0)
                 self._after_step(step + 1, m)
                 if m.stop:
-                    self.logger.print(f"{self._stop.name or 'SIGTERM'} received: checkpoint written at step {step + 1}, "
-                                      f"exiting cleanly")
+                    self.logger.print(f"{self._stop.name or 'SIGTERM'} received: checkpoint written at step "
+                                      f"{step + 1}, exiting cleanly")
                     stopped = True
                     break
             if self.corpus.tokenizer is not None and not stopped and self.pipeline is None:
