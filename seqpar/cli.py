@@ -31,8 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"seqpar: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    from .config.errors import run_entry_point
     module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return run_entry_point(f"seqpar {name}", module.main, rest)
 
 
 if __name__ == "__main__":

@@ -140,6 +140,15 @@ def export_safetensors(checkpoint: str | Path, out: str | Path, dtype: str | Non
     return out
 
 
+def _check_out(out: Path, force: bool) -> None:
+    """Refuse an ``out`` that is a file, or a folder holding files unless ``force``."""
+    from ..config.errors import UserError
+    if out.exists() and not out.is_dir():
+        raise UserError(f"{out} exists and is not a folder; choose another output folder")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise UserError(f"{out} already holds files; pass --force to write into it (files replaced)")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="seqpar export", description="Write a seqpar checkpoint as one dense model "
                                 "file: a Hugging Face model folder (--format hf: config.json + model.safetensors "
@@ -151,11 +160,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="hf: a Hugging Face transformers folder (default); safetensors: seqpar's dense names")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="tensor dtype in the export (default: the checkpoint's)")
+    p.add_argument("--force", action="store_true", help="write into OUT even when it already holds files")
     args = p.parse_args(argv)
-    try:
-        out = (export_hf if args.format == "hf" else export_safetensors)(args.checkpoint, args.out, args.dtype)
-    except ValueError as e:
-        raise SystemExit(f"seqpar export: {e}") from None
+    _check_out(Path(args.out), args.force)
+    out = (export_hf if args.format == "hf" else export_safetensors)(args.checkpoint, args.out, args.dtype)
     if args.format == "hf":
         print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     else:

@@ -118,11 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="parameter dtype (default float32: seqpar's master weights; train.precision=bf16 computes in bf16 on them)")
     args = p.parse_args(argv)
-    try:
-        path = import_hf(args.hf_dir, args.checkpoint_dir, config=args.config, overrides=args.overrides,
-                         dtype=args.dtype)
-    except ValueError as e:
-        raise SystemExit(f"seqpar import: {e}") from None
+    path = import_hf(args.hf_dir, args.checkpoint_dir, config=args.config, overrides=args.overrides,
+                     dtype=args.dtype)  # bad input: one line and exit 2 (seqpar.cli)
     print(f"wrote {path}\n  train:    seqpar train {path / 'config.yaml'} data.source=TOKENS\n"
           f"  generate: seqpar generate {path.parent}")
     return 0

@@ -1,4 +1,4 @@
-"""What the Trainer does when something goes wrong: SIGTERM, non-finite values, a changed tokenizer.
+"""What the Trainer does when something goes wrong: SIGTERM / SIGINT, non-finite values, a changed tokenizer.
 
 Every decision that involves several ranks is taken on a value all ranks agree on (the
 Trainer's one all-reduce per step, or the all-reduce in :func:`check_finite_weights`), so every
@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -19,18 +20,30 @@ from ..sharding import local_tensor
 
 
 class StopRequest:
-    """Remembers a SIGTERM so the loop can checkpoint and exit at the next step boundary."""
+    """Remembers a SIGTERM or SIGINT (Ctrl-C) so the loop can checkpoint and exit at the next step
+    boundary. A second SIGINT more than a second after the first raises ``KeyboardInterrupt`` (abort,
+    no checkpoint); closer ones count once, as when torchrun forwards the Ctrl-C the terminal already
+    delivered to every rank."""
 
     def __init__(self):
         self.requested = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self.name: str | None = None  # the first signal this rank received
+        self._first = 0.0
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
-        self.requested = True
+        now = time.monotonic()
+        if signum == signal.SIGINT and self.name == "SIGINT" and now - self._first > 1.0:
+            raise KeyboardInterrupt
+        if not self.requested:
+            self.requested, self.name, self._first = True, signal.Signals(signum).name, now
+        elif signum == signal.SIGINT and self.name != "SIGINT":
+            self.name, self._first = "SIGINT", now  # the first Ctrl-C after a SIGTERM: the next one aborts
 
     def restore(self) -> None:
-        """Put back the handler that was installed before."""
-        signal.signal(signal.SIGTERM, self._previous)
+        """Put back the handlers that were installed before."""
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
 
 
 def nonfinite_what(loss: float, grad_norm: float) -> str:

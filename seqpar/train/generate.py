@@ -59,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    from ..config.errors import UserError
+    if args.tokens < 1:
+        raise UserError(f"--tokens must be at least 1 (got {args.tokens})")
 
     from tokenizers import Tokenizer
 
@@ -71,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if not exported and not (path / "extra.json").is_file():
         found = latest_checkpoint(path)
         if found is None:
-            raise SystemExit(f"seqpar generate: no checkpoint (or `seqpar export --format safetensors` folder) "
+            raise UserError(f"no checkpoint (or `seqpar export --format safetensors` folder) "
                              f"found at {path}")
         path = found
     cfg = load_run_config(path / "config.yaml")
@@ -84,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         load_model_only(path, model)
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
-        raise SystemExit(f"seqpar generate: {tok_file} is missing (trained from a bare token file?)")
+        raise UserError(f"{tok_file} is missing (trained from a bare token file?)")
     tok = Tokenizer.from_file(str(tok_file))
     ids = sample(model, tok.encode(args.prompt).ids, args.tokens, temperature=args.temperature,
                  top_k=args.top_k, seed=args.seed)

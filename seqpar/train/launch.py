@@ -1,14 +1,23 @@
 """``seqpar train CONFIG.yaml [key=value ...]`` and ``torchrun ... -m seqpar.train CONFIG.yaml ...``.
 
-With ``--nproc-per-node N`` outside torchrun, this command starts torchrun itself (standalone
-rendezvous on this machine), so one line trains on N local processes.
+With ``--nproc-per-node N`` outside torchrun, this command runs torchrun's agent in this process
+(standalone rendezvous on this machine), so one line trains on N local processes. The ranks are
+then this process's children: SIGTERM or Ctrl-C here is forwarded to them as SIGTERM (they save
+at the next step boundary and exit 0, and so does this command); a second Ctrl-C kills them at
+once (exit 130). A user-input error is printed once for all ranks that saw it (exit 2), without
+torchrun's failure summary; a rank's internal failure keeps its traceback (exit 1).
 """
 from __future__ import annotations
 
 import argparse
+import logging
 import os
-import shutil
+import signal
 import sys
+import time
+from pathlib import Path
+
+LAUNCHER_ENV = "SEQPAR_LAUNCHER"  # set for the ranks this command starts: they leave error lines to it
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,18 +39,12 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides.insert(0, args.config)
         args.config = None
     from ..config import load_run_config
-    try:
-        cfg = load_run_config(args.config, args.overrides)  # fail fast, before any process is started
-    except (ValueError, FileNotFoundError) as e:
-        print(f"seqpar train: {e}", file=sys.stderr)
-        return 2
-    under_torchrun = "LOCAL_RANK" in os.environ
-    if args.nproc_per_node and not under_torchrun:
-        torchrun = shutil.which("torchrun")
-        cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"])
-        cmd += ["--standalone", f"--nproc-per-node={args.nproc_per_node}", f"--max-restarts={args.max_restarts}",
-                "-m", "seqpar.train"] + ([args.config] if args.config else []) + args.overrides
-        os.execvp(cmd[0], cmd)
+    cfg = load_run_config(args.config, args.overrides)  # fail fast, before any process is started
+    if args.nproc_per_node is not None and args.nproc_per_node < 1:
+        from ..config.errors import UserError
+        raise UserError(f"--nproc-per-node must be at least 1 (got {args.nproc_per_node})")
+    if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
+        return _launch(args)
     from .trainer import train
     try:
         train(cfg)
@@ -50,3 +53,87 @@ def main(argv: list[str] | None = None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _children() -> list[int]:
+    """Pids of this process's children (the ranks the agent started); Linux /proc, else none."""
+    me, pids = os.getpid(), []
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        try:
+            stat = Path("/proc", entry, "stat").read_text() if entry.isdigit() else ""
+        except OSError:
+            continue
+        if stat and int(stat.rsplit(")", 1)[1].split()[1]) == me:
+            pids.append(int(entry))
+    return pids
+
+
+class _Forward:
+    """The launcher's SIGTERM / SIGINT: every rank is asked to stop (SIGTERM, the ranks' stop request);
+    a second Ctrl-C (more than a second after the first, so one keypress reaching the whole process
+    group counts once) kills the ranks and raises ``KeyboardInterrupt``."""
+
+    def __init__(self):
+        self.first: float | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _handle(self, signum, frame):
+        again = self.first is not None and time.monotonic() - self.first > 1.0
+        if signum == signal.SIGINT and again:
+            self._send(signal.SIGKILL)
+            raise KeyboardInterrupt
+        self.first = self.first if self.first is not None else time.monotonic()
+        self._send(signal.SIGTERM)
+
+    @staticmethod
+    def _send(sig: int) -> None:
+        for pid in _children():
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _launch(args) -> int:
+    """torchrun's agent in this process: ``--standalone`` with ``args.nproc_per_node`` ranks."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    os.environ[LAUNCHER_ENV] = "1"
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures: _report below
+    # SIGTERM and SIGINT are _Forward's, not torchrun's (which would end in its SignalException)
+    targs = parse_args(["--standalone", "--signals-to-handle=SIGHUP,SIGQUIT", f"--nproc-per-node={args.nproc_per_node}",
+                        f"--max-restarts={args.max_restarts}", "-m", "seqpar.train"]
+                       + ([args.config] if args.config else []) + args.overrides)
+    forward = _Forward()
+    try:
+        run(targs)
+    except ChildFailedError as e:
+        return _report(e.failures)
+    finally:
+        forward.restore()
+    return 0
+
+
+def _report(failures: dict) -> int:
+    """One line per distinct user error (naming the ranks that saw it; exit 2), else one line per
+    failed rank (its traceback, if any, is above; exit 1)."""
+    user: dict[str, list[int]] = {}
+    for rank, f in sorted(failures.items()):
+        if f.exitcode == 2 and isinstance(f.message, str) and f.message.startswith("seqpar train: rank "):
+            text = f.message.removeprefix("seqpar train: rank ").split(": ", 1)[-1]
+            user.setdefault(text, []).append(rank)
+    for text, ranks in user.items():
+        who = "rank" if len(ranks) == 1 else "ranks"
+        print(f"seqpar train: {who} {', '.join(map(str, ranks))}: {text}", file=sys.stderr, flush=True)
+    if user:
+        return 2
+    for rank, f in sorted(failures.items()):
+        how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+        print(f"seqpar train: rank {rank} failed ({how})", file=sys.stderr, flush=True)
+    return 1

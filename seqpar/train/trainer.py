@@ -315,7 +315,8 @@ class Trainer:
                 self.log_step(step + 1, m, time.perf_counter() - t0)
                 self._after_step(step + 1, m)
                 if m.stop:
-                    self.logger.print(f"SIGTERM received: checkpoint written at step {step + 1}, exiting cleanly")
+                    self.logger.print(f"{self._stop.name or 'SIGTERM'} received: checkpoint written at step "
+                                      f"{step + 1}, exiting cleanly")
                     stopped = True
                     break
             whole = self.engine.full_model is not None

@@ -1,0 +1,103 @@
+"""User-input errors through the command line: one line naming the offending value, exit code 2,
+no traceback, for every entry point (a subprocess each, several bad inputs per start)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from seqpar.config.errors import UserError, is_user_error
+
+TINY = ["model.vocab_size=128", "model.seq_len=32", "model.hidden=32", "model.heads=4", "model.layers=2",
+        "train.micro_batch=4", "train.eval_interval=0", "checkpoint.resume=never", "train.steps=2"]
+
+
+def _tokens(tmp: Path, bad_id: int | None = None) -> str:
+    ids = np.random.default_rng(0).integers(0, 128, size=4000).astype(np.uint16)
+    if bad_id is not None:
+        ids[500] = bad_id
+    path = tmp / ("bad.npy" if bad_id is not None else "tokens.npy")
+    np.save(path, ids)
+    return str(path)
+
+
+def _run(args: list[str], cwd: Path, timeout=240) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _assert_one_line(proc: subprocess.CompletedProcess, *needles: str) -> None:
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "Traceback" not in out and "ChildFailedError" not in out, out[-3000:]
+    for needle in needles:
+        assert needle in proc.stderr, proc.stderr[-3000:]
+
+
+def test_user_errors_are_classified_by_who_raised_them():
+    assert is_user_error(UserError("x"))
+    try:
+        int("nope")  # raised here, outside seqpar: internal
+    except ValueError as e:
+        assert not is_user_error(e)
+    try:
+        np.zeros(3).reshape(7)  # raised inside numpy: internal
+    except ValueError as e:
+        assert not is_user_error(e)
+    from seqpar.config import load_run_config
+    with pytest.raises(ValueError) as info:
+        load_run_config(None, ["train.stepz=3"])
+    assert is_user_error(info.value)
+
+
+def test_train_single_process_and_launcher_print_one_line(tmp_path):
+    seqpar = [sys.executable, "-m", "seqpar.cli"]
+    common = TINY + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"out_dir={tmp_path / 'out'}"]
+    bad = _tokens(tmp_path, bad_id=60000)
+    p = _run(seqpar + ["train", f"data.source={bad}"] + common, tmp_path)
+    _assert_one_line(p, "id 60000", "model.vocab_size")
+    p = _run(seqpar + ["train", f"data.source={_tokens(tmp_path)}", "train.global_batch=7"] + common, tmp_path)
+    _assert_one_line(p, "train.global_batch (7)")
+    p = _run(seqpar + ["train", "--nproc-per-node", "2", f"data.source={bad}"] + common, tmp_path)
+    _assert_one_line(p, "ranks 0, 1: ", "id 60000")
+    assert p.stderr.count("id 60000") == 1, p.stderr
+
+
+def test_plain_torchrun_ranks_print_their_line_and_exit_2(tmp_path):
+    """torchrun itself still ends with its ChildFailedError summary (its own traceback); each rank's
+    line is one line, and the summary quotes it instead of an empty error file."""
+    bad = _tokens(tmp_path, bad_id=60000)
+    p = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+              "seqpar.train", f"data.source={bad}", f"checkpoint.dir={tmp_path / 'c'}",
+              f"out_dir={tmp_path / 'o'}"] + TINY, tmp_path)
+    assert p.returncode != 0
+    for rank in (0, 1):
+        assert f"seqpar train: rank {rank}: token file" in p.stderr, p.stderr[-3000:]
+    assert "[rank0]: Traceback" not in p.stderr and "[rank1]: Traceback" not in p.stderr, p.stderr[-3000:]
+
+
+def test_generate_export_import_memory_plan(tmp_path):
+    seqpar = [sys.executable, "-m", "seqpar.cli"]
+    p = _run(seqpar + ["generate", str(tmp_path / "nowhere")], tmp_path)
+    _assert_one_line(p, "nowhere")
+    p = _run(seqpar + ["generate", str(tmp_path), "--tokens", "-3"], tmp_path)
+    _assert_one_line(p, "--tokens", "-3")
+    folder = tmp_path / "exported"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(b"garbage")
+    (folder / "config.yaml").write_text("model:\n  vocab_size: 128\n")
+    p = _run(seqpar + ["generate", str(folder)], tmp_path)
+    _assert_one_line(p, "model.safetensors")
+    (tmp_path / "afile").write_text("x")
+    p = _run(seqpar + ["export", str(tmp_path / "nowhere"), str(tmp_path / "afile")], tmp_path)
+    _assert_one_line(p, "afile")
+    p = _run(seqpar + ["export", str(tmp_path / "nowhere"), str(folder)], tmp_path)
+    _assert_one_line(p, "--force")
+    p = _run(seqpar + ["import", str(folder), str(tmp_path / "imp")], tmp_path)
+    _assert_one_line(p, "config.json")
+    p = _run(seqpar + ["memory", "model.heads=3", "model.hidden=33"], tmp_path)
+    _assert_one_line(p, "heads")
+    p = _run(seqpar + ["plan", "model.stepz=1"], tmp_path)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
