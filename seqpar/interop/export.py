@@ -10,11 +10,10 @@ load of one key) and streamed into the safetensors file, so the whole model is n
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import torch
 

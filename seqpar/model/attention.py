@@ -16,7 +16,6 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from ..distributed.rng import RNGStreams
 from ..layers import ColumnParallelLinear, RowParallelLinear

@@ -1,4 +1,4 @@
-"""What the Trainer does when something goes wrong: SIGTERM / SIGINT, non-finite values, a changed tokenizer.
+"""What the Trainer does when something goes wrong: SIGTERM / SIGINT, non-finite values.
 
 Every decision that involves several ranks is taken on a value all ranks agree on (the
 Trainer's one all-reduce per step, or the all-reduce in :func:`check_finite_weights`), so every
@@ -6,11 +6,9 @@ rank stops, skips or saves together and none enters a collective alone.
 """
 from __future__ import annotations
 
-import json
 import math
 import signal
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -76,25 +74,3 @@ def check_finite_weights(model: nn.Module, step: int) -> None:
             where = "here: " + ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else "")
         raise FloatingPointError(f"refusing to checkpoint step {step}: the weights hold NaN/inf ({where}); "
                                  f"the last checkpoint is kept")
-
-
-def _tokenizer_model(text: str) -> dict:
-    """The parts of a tokenizer's JSON that decide which ids a text gets."""
-    data = json.loads(text)
-    return {k: data.get(k) for k in ("model", "normalizer", "pre_tokenizer", "added_tokens")}
-
-
-def check_tokenizer(checkpoint: Path, tokenizer, source: str | None) -> None:
-    """Raise ``ValueError`` when ``checkpoint`` carries a ``tokenizer.json`` and ``tokenizer`` (the
-    corpus's, a ``tokenizers.Tokenizer``) maps text to different ids: resuming would train the
-    model on ids that mean other tokens. No check when either side has no tokenizer."""
-    saved = Path(checkpoint) / "tokenizer.json"
-    if tokenizer is None or not saved.is_file():
-        return
-    mine, theirs = _tokenizer_model(tokenizer.to_str()), _tokenizer_model(saved.read_text())
-    if mine != theirs:
-        sizes = (len((theirs.get("model") or {}).get("vocab") or {}), len((mine.get("model") or {}).get("vocab") or {}))
-        raise ValueError(f"checkpoint {str(checkpoint)!r} was trained with a different tokenizer ({sizes[0]} tokens) "
-                         f"than the corpus data.source={source!r} gives ({sizes[1]} tokens); resuming would feed it "
-                         f"ids that mean other tokens. Use the original data.source and model.vocab_size, or a "
-                         f"new checkpoint.dir (or checkpoint.resume=never) to start over.")
