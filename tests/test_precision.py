@@ -9,6 +9,7 @@ from seqpar.model import GPT, GPTConfig
 from seqpar.train.precision import Precision, resolve_precision
 
 from distributed_harness import tp_group_of
+from run_helpers import random_tokens, run_overrides
 
 
 def _cfg(**kw):
@@ -104,15 +105,11 @@ def test_all_reduce_coalesced_sums_each_dtype(spawn):
 
 
 def _trainer_overrides(tmp, **kw):
-    import numpy as np
-    tokens = np.random.default_rng(0).integers(0, 256, size=20000).astype(np.uint16)
-    np.save(tmp / "tokens.npy", tokens)
-    cfg = {"model.vocab_size": 256, "model.seq_len": 32, "model.hidden": 128, "model.heads": 4, "model.layers": 2,
+    return run_overrides(tmp, {"model.vocab_size": 256, "model.seq_len": 32, "model.hidden": 128, "model.heads": 4, "model.layers": 2,
            "model.dropout": 0.1, "model.attention_dropout": 0.1, "model.sequence_parallel": True,
            "parallel.tp": 2, "train.steps": 3, "train.micro_batch": 4, "train.warmup_steps": 1,
-           "train.eval_interval": 0, "data.source": str(tmp / "tokens.npy"), "checkpoint.resume": "never",
-           "checkpoint.dir": str(tmp / "ckpt"), "out_dir": str(tmp / "out"), **kw}
-    return [f"{k}={v}" for k, v in cfg.items()]
+           "train.eval_interval": 0, **kw},
+                         tokens=random_tokens(tmp / "tokens.npy", vocab=256, size=20000))
 
 
 def _activation_lines(rank, world, tmp):
