@@ -167,22 +167,31 @@ def _count_host_reads(rank, world, tmp):
                 counts[-1].append(name)
             return originals[name](self, *a, **k)
         return wrapper
+    make_tensor = torch.tensor
+
+    def copying(*a, **k):  # a tensor built from host values: on CUDA a pageable copy, which syncs
+        if "/seqpar/" in sys._getframe(1).f_code.co_filename:
+            counts[-1].append("torch.tensor")
+        return make_tensor(*a, **k)
     try:
         trainer.train_step(0)  # the first step measures activations (CPU ledger): not counted
         for n in names:
             setattr(torch.Tensor, n, counting(n))
+        torch.tensor = copying
         for step in (1, 2):
             counts.append([])
             trainer.train_step(step)
     finally:
         for n, f in originals.items():
             setattr(torch.Tensor, n, f)
+        torch.tensor = make_tensor
         trainer.close()
     return counts
 
 
 def test_a_training_step_reads_the_device_once(spawn, tmp_path):
     """No host sync per micro-batch: the loss stays on the device, clipping scales on the device;
-    the one read per step is the agreed (loss, stop, finite, grad norm)."""
+    the one read per step is the agreed (loss, stop, finite, grad norm), and no tensor is built
+    from host values (a synchronising copy on CUDA)."""
     for counts in spawn(_count_host_reads, 2, tmp_path):
         assert all(len(c) <= 1 for c in counts), counts
