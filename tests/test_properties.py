@@ -84,6 +84,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "parallel.tp": st.sampled_from([1, 2, 4]), "parallel.dp": st.none() | st.integers(1, 4096),
     "parallel.pp": st.just(1), "parallel.virtual_stages": st.just(1),  # m > 1 needs pp > 1 dividing L
     "parallel.timeout_minutes": _floats(0.0, 1e6, exclude_min=True),
+    "parallel.bucket_mib": _floats(0.0, 1e6, exclude_min=True),
     "parallel.data_parallel": st.sampled_from([None, "ddp", "fsdp"]),
     "parallel.pp_schedule": st.sampled_from([None, "1F1B", "Interleaved1F1B", "GPipe"]),
     "data.source": NONE_OR_TEXT, "data.max_bytes": st.integers(1, 2**50),
@@ -143,6 +144,7 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy] = {
     **{f"parallel.{k}": BELOW[1] for k in ("tp", "dp", "virtual_stages")},
     "parallel.pp": BELOW[1] | st.sampled_from([5, 7, 11]),  # the default 12 layers split into no such stages
     "parallel.timeout_minutes": st.floats(max_value=0.0) | NONFINITE,
+    "parallel.bucket_mib": st.floats(max_value=0.0) | NONFINITE,
     "data.max_bytes": BELOW[1], "data.eval_fraction": st.floats(max_value=0.0) | st.floats(min_value=1.0) | NONFINITE,
     **{f"train.{k}": BELOW[1] for k in ("steps", "micro_batch", "global_batch", "log_interval", "eval_batches",
                                          "threads_per_rank")},
