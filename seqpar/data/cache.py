@@ -129,12 +129,29 @@ def cache_problem(folder: Path, fp: str, vocab_size: int) -> tuple[dict | None, 
     return meta, None
 
 
-def _train_tokenizer(docs: list[Document], vocab_size: int, out: Path, log: Log) -> Tokenizer:
-    log(f"data: training byte-level BPE (vocab {vocab_size}) on {len(docs)} files, "
-        f"{sum(d.nbytes for d in docs) / 1e6:.1f} MB")
+@dataclass(frozen=True)
+class TextInput:
+    """What a text cache is built from: its documents, read a batch at a time, in order."""
+
+    batches: Callable[[], Iterator[list[str]]]  # a fresh pass over the documents each call
+    documents: int
+    nbytes: int  # bytes of text (for the progress lines)
+
+
+def file_input(docs: list[Document], chunk: int = 256) -> TextInput:
+    """The documents of a text source (files), ``chunk`` files at a time."""
+    def batches() -> Iterator[list[str]]:
+        for start in range(0, len(docs), chunk):
+            yield [read_document(d) for d in docs[start:start + chunk]]
+    return TextInput(batches, len(docs), sum(d.nbytes for d in docs))
+
+
+def _train_tokenizer(text: TextInput, vocab_size: int, out: Path, log: Log) -> Tokenizer:
+    log(f"data: training byte-level BPE (vocab {vocab_size}) on {text.documents} documents, "
+        f"{text.nbytes / 1e6:.1f} MB")
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator((read_document(d) for d in docs), vocab_size=vocab_size, min_frequency=2,
-                            special_tokens=[EOT], show_progress=False, length=len(docs))
+    bpe.train_from_iterator((t for batch in text.batches() for t in batch), vocab_size=vocab_size, min_frequency=2,
+                            special_tokens=[EOT], show_progress=False, length=text.documents)
     atomic_write(out, lambda tmp: bpe.save(str(tmp)))
     log(f"data: tokenizer with {bpe.get_vocab_size()} tokens saved to {out}")
     return Tokenizer.from_file(str(out))
@@ -161,36 +178,41 @@ def _reusable_tokenizer(folder: Path, log: Log) -> Tokenizer | None:
     return tok
 
 
-def _encode_corpus(docs: list[Document], tok: Tokenizer, dtype: np.dtype, out: Path, log: Log,
-                   chunk: int = 256) -> int:
-    eot, total, done = tok.token_to_id(EOT), 0, 0
+def _encode_corpus(text: TextInput, tok: Tokenizer, eot: int, dtype: np.dtype, out: Path, log: Log) -> int:
+    total, done, files = 0, 0, 0
 
     def write(tmp: Path) -> None:
-        nonlocal total, done
+        nonlocal total, done, files
         with open(tmp, "wb") as f:
-            for start in range(0, len(docs), chunk):
-                batch = docs[start:start + chunk]
-                for i, enc in enumerate(tok.encode_batch([read_document(d) for d in batch])):
-                    ids = enc.ids if start + i == 0 else [eot, *enc.ids]  # documents joined by EOT
+            for batch in text.batches():
+                for enc in tok.encode_batch(batch):
+                    ids = enc.ids if files == 0 else [eot, *enc.ids]  # documents joined by EOT
                     np.asarray(ids, dtype=dtype).tofile(f)
-                    total += len(ids)
-                done += sum(d.nbytes for d in batch)
-                log(f"data: encoded {start + len(batch)}/{len(docs)} files ({done / 1e6:.1f} MB), {total:,} tokens")
+                    total, files = total + len(ids), files + 1
+                done += sum(len(t.encode()) for t in batch)
+                log(f"data: encoded {files}/{text.documents} documents ({done / 1e6:.1f} MB), {total:,} tokens")
 
     atomic_write(out, write)
     return total
 
 
-def build_cache(folder: Path, docs: list[Document], fp: str, source: str | Path | None, vocab_size: int,
-                log: Log) -> None:
-    """Write the tokenizer (reused when an earlier build left a trusted one), the tokens, then the meta."""
+def build_cache(folder: Path, text: TextInput, fp: str, source: str | Path | None, vocab_size: int, log: Log,
+                tokenizer: Tokenizer | None = None, eot_id: int | None = None) -> None:
+    """Write the tokenizer (``tokenizer`` when given; else one reused from an earlier build that
+    left a trusted one, or trained), the tokens, then the meta."""
     folder.mkdir(exist_ok=True)
-    tok = _reusable_tokenizer(folder, log) or _train_tokenizer(docs, vocab_size, folder / "tokenizer.json", log)
+    if tokenizer is not None:
+        atomic_write(folder / "tokenizer.json", lambda tmp: tokenizer.save(str(tmp)))
+        tok = tokenizer
+    else:
+        tok = _reusable_tokenizer(folder, log) or _train_tokenizer(text, vocab_size, folder / "tokenizer.json", log)
+        eot_id = tok.token_to_id(EOT)
     (folder / "meta.json").unlink(missing_ok=True)  # from here on the folder reads as incomplete
     dtype = token_dtype(vocab_size)
-    n = _encode_corpus(docs, tok, dtype, folder / "tokens.bin", log)
-    meta = {"fingerprint": fp, "source": str(source or "<stdlib>"), "documents": len(docs),
+    n = _encode_corpus(text, tok, eot_id, dtype, folder / "tokens.bin", log)
+    meta = {"fingerprint": fp, "source": str(source or "<stdlib>"), "documents": text.documents,
             "vocab_size": vocab_size, "tokenizer_vocab_size": tok.get_vocab_size(), "dtype": dtype.name,
-            "tokens": n, "files": {name: file_digest(folder / name) for name in ("tokenizer.json", "tokens.bin")}}
+            "tokens": n, "eot_id": eot_id, "tokenizer": "given" if tokenizer is not None else "trained",
+            "files": {name: file_digest(folder / name) for name in ("tokenizer.json", "tokens.bin")}}
     atomic_write(folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
     log(f"data: wrote {n:,} tokens to {folder}")

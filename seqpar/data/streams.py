@@ -1,12 +1,39 @@
 """A run's data: the corpus, this dp rank's training stream and eval batches, the tokenizer file."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Callable
 
+from tokenizers import Tokenizer
+
 from ..config import RunConfig
 from .batches import Batch, TokenBatches, eval_batches
-from .corpus import Corpus, prepare_corpus
+from .corpus import Corpus, prepare_corpus, source_kind
+from .errors import DataError, TokenizerError
+from .tokenizer import ORIGIN_FILE, check_fits, checkpoint_tokenizer, find_eot, load_tokenizer
+
+
+def run_tokenizer(cfg: RunConfig, needs_eot: bool) -> tuple[Tokenizer | None, int | None, str | None]:
+    """``(tokenizer, end-of-text id, where it came from)`` for the run's text sources:
+    ``data.tokenizer``, else the given tokenizer of the checkpoint it resumes, else none (a BPE is
+    trained). The tokenizer must fit ``model.vocab_size``; the id is looked up only when a text
+    source needs it (``needs_eot``)."""
+    dc = cfg.data
+    spec, eot = dc.tokenizer, dc.eot_id
+    where = f"data.tokenizer={spec!r}"
+    if spec is None:
+        spec, saved_eot = checkpoint_tokenizer(cfg.checkpoint.dir, cfg.checkpoint.resume)
+        if spec is None:
+            return None, eot, None
+        eot, where = eot if eot is not None else saved_eot, f"of the resumed checkpoint ({str(spec)!r})"
+    tok = load_tokenizer(spec)
+    check_fits(tok, cfg.model.vocab_size, where)
+    if needs_eot or eot is not None:
+        eot = find_eot(tok, spec, eot)
+        if eot >= cfg.model.vocab_size:
+            raise TokenizerError(f"data.eot_id={eot} is outside the vocabulary [0, {cfg.model.vocab_size})")
+    return tok, eot, where
 
 
 def load_corpus(cfg: RunConfig, log: Callable[[str], None]) -> Corpus:
@@ -14,10 +41,14 @@ def load_corpus(cfg: RunConfig, log: Callable[[str], None]) -> Corpus:
     on the cache's file lock, which has no timeout, instead of in a collective that has one.
     The run's output and checkpoint folders are never part of the corpus."""
     dc, mc = cfg.data, cfg.model
+    tok, eot, where = run_tokenizer(cfg, source_kind(dc.source) in ("text", "records"))
+    if where is not None:
+        log(f"data: text is encoded with the tokenizer {where}")
     corpus = prepare_corpus(dc.source, vocab_size=mc.vocab_size, cache_dir=dc.cache_dir, max_bytes=dc.max_bytes,
-                            log=log, exclude=(cfg.out_dir, cfg.checkpoint.dir))
+                            log=log, exclude=(cfg.out_dir, cfg.checkpoint.dir), tokenizer=tok, eot_id=eot,
+                            text_field=dc.text_field)
     if corpus.vocab_size > mc.vocab_size:
-        raise ValueError(f"the corpus needs vocab_size >= {corpus.vocab_size}, model.vocab_size is {mc.vocab_size}")
+        raise DataError(f"the corpus needs vocab_size >= {corpus.vocab_size}, model.vocab_size is {mc.vocab_size}")
     return corpus
 
 
@@ -37,13 +68,20 @@ def data_streams(cfg: RunConfig, corpus: Corpus, dp_rank: int, dp: int, accum: i
 
 def tokenizer_attachment(cfg: RunConfig, corpus: Corpus, is_first: bool) -> dict[str, Path]:
     """``{"tokenizer.json": path}`` when the corpus has a tokenizer (checkpoints carry it, so
-    ``seqpar generate`` needs nothing else); the first rank writes the file into ``out_dir``."""
+    ``seqpar generate`` needs nothing else), with ``tokenizer_origin.json`` when it was given
+    (a resume then encodes text with it again); the first rank writes the files into ``out_dir``."""
     if corpus.tokenizer is None:
         return {}
-    path = Path(cfg.out_dir) / "tokenizer.json"
+    out = Path(cfg.out_dir)
+    files = {"tokenizer.json": out / "tokenizer.json"}
+    if corpus.tokenizer_given:
+        files[ORIGIN_FILE] = out / ORIGIN_FILE
     if is_first:
-        corpus.tokenizer.save(str(path))
-    return {"tokenizer.json": path}
+        out.mkdir(parents=True, exist_ok=True)
+        corpus.tokenizer.save(str(files["tokenizer.json"]))
+        if corpus.tokenizer_given:
+            files[ORIGIN_FILE].write_text(json.dumps({"origin": "given", "eot_id": corpus.eot_id}))
+    return files
 
 
-__all__ = ["data_streams", "load_corpus", "tokenizer_attachment"]
+__all__ = ["data_streams", "load_corpus", "run_tokenizer", "tokenizer_attachment"]
