@@ -50,7 +50,7 @@ from .cache import (CHUNK, EOT, Document, Log, TextInput, build_cache, cache_pro
 from .errors import DataError
 from .records import record_files, record_input
 from .tokenizer import tokenizer_digest
-from .tokens import TOKEN_SUFFIXES, is_indexed, map_ids, open_indexed, open_shards, shard_files
+from .tokens import TOKEN_SUFFIXES, indexed_prefix, map_ids, open_indexed, open_shards, shard_files
 
 MIN_VOCAB = 257  # 256 byte tokens + the end-of-text token
 DEFAULT_MAX_BYTES = 8_000_000
@@ -116,14 +116,17 @@ def source_kind(source: str | Path | None) -> str:
     files) or ``indexed`` (Megatron): how :func:`prepare_corpus` reads ``source``."""
     if source is None:
         return "text"
-    path = Path(source)
-    if is_indexed(path):
+    path = Path(source).expanduser()
+    if indexed_prefix(path) is not None:
         return "indexed"
     if path.suffix.lower() in TOKEN_SUFFIXES:
         return "tokens"
     if path.is_dir():
         top = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
         texts = [p for p in top if p.suffix.lower() in TEXT_SUFFIXES and p.name not in _SIDE_FILES]
+        if any(p.suffix.lower() == ".idx" for p in top):
+            raise DataError(f"data.source={str(source)!r} is a folder of Megatron indexed datasets; name one "
+                            f"prefix (data.source=PREFIX) or blend them (data.sources)")
         if shard_files(path) and not texts:
             return "shards"
         if record_files(path) and not _walk(path, frozenset({"__pycache__"}), frozenset()):
@@ -245,8 +248,8 @@ def _open_tokens(path: Path, kind: str, vocab_size: int, tokenizer: Tokenizer | 
     """A token file, a folder of shards or a Megatron dataset, every id checked against
     ``vocab_size``; without a given tokenizer a ``tokenizer.json`` beside the ids is used."""
     if kind == "indexed":
-        tokens = open_indexed(path.with_suffix(""), vocab_size, eot_id)
-        side = path.with_suffix("").with_name("tokenizer.json")
+        prefix = indexed_prefix(path)
+        tokens, side = open_indexed(prefix, vocab_size, eot_id), prefix.with_name("tokenizer.json")
     elif kind == "shards":
         tokens, side = open_shards(path, vocab_size), path / "tokenizer.json"
     else:

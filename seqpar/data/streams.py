@@ -17,8 +17,8 @@ from .tokenizer import ORIGIN_FILE, check_fits, checkpoint_tokenizer, find_eot, 
 def run_tokenizer(cfg: RunConfig, needs_eot: bool) -> tuple[Tokenizer | None, int | None, str | None]:
     """``(tokenizer, end-of-text id, where it came from)`` for the run's text sources:
     ``data.tokenizer``, else the given tokenizer of the checkpoint it resumes, else none (a BPE is
-    trained). The tokenizer must fit ``model.vocab_size``; the id is looked up only when a text
-    source needs it (``needs_eot``)."""
+    trained). The tokenizer must fit ``model.vocab_size``; a missing end-of-text id is an error
+    only when a text source needs one (``needs_eot``)."""
     dc = cfg.data
     spec, eot = dc.tokenizer, dc.eot_id
     where = f"data.tokenizer={spec!r}"
@@ -29,10 +29,14 @@ def run_tokenizer(cfg: RunConfig, needs_eot: bool) -> tuple[Tokenizer | None, in
         eot, where = eot if eot is not None else saved_eot, f"of the resumed checkpoint ({str(spec)!r})"
     tok = load_tokenizer(spec)
     check_fits(tok, cfg.model.vocab_size, where)
-    if needs_eot or eot is not None:
+    try:
         eot = find_eot(tok, spec, eot)
-        if eot >= cfg.model.vocab_size:
-            raise TokenizerError(f"data.eot_id={eot} is outside the vocabulary [0, {cfg.model.vocab_size})")
+    except TokenizerError:
+        if needs_eot:
+            raise
+        eot = None  # token sources may not need one
+    if eot is not None and eot >= cfg.model.vocab_size:
+        raise TokenizerError(f"data.eot_id={eot} is outside the vocabulary [0, {cfg.model.vocab_size})")
     return tok, eot, where
 
 

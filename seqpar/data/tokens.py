@@ -29,7 +29,7 @@ IDX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6:
 class TokenStream:
     """Segments of memory-mapped id arrays read as one 1-D stream, an end-of-text id before each
     segment whose ``sep`` is set. ``stream[a:b]`` is a view (nothing read); ``np.asarray`` of a
-    view reads its ids (int64)."""
+    view reads its ids (as ``dtype``, the segments' common type)."""
 
     def __init__(self, bases: list[np.ndarray], base: np.ndarray, lo: np.ndarray, hi: np.ndarray,
                  sep: np.ndarray, eot: int | None, window: tuple[int, int] | None = None):
@@ -37,8 +37,9 @@ class TokenStream:
         self._start = np.concatenate([[0], np.cumsum(hi - lo + self._sep)]).astype(np.int64)
         self._hi = hi
         self.window = window or (0, int(self._start[-1]))
+        kinds = [b.dtype for b in bases] + ([np.min_scalar_type(eot)] if eot is not None and sep.any() else [])
+        self.dtype = np.result_type(*kinds)
 
-    dtype = np.dtype(np.int64)
     ndim = 1
 
     def __len__(self) -> int:
@@ -75,8 +76,7 @@ class TokenStream:
         return out
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
-        out = self._read(*self.window)
-        return out if dtype is None else out.astype(dtype, copy=False)
+        return self._read(*self.window).astype(dtype or self.dtype, copy=False)
 
     def doc_starts(self) -> np.ndarray:
         """Stream positions where a segment (a document, for indexed datasets) begins, in this view."""
@@ -158,6 +158,7 @@ def open_shards(folder: Path, vocab_size: int) -> TokenStream:
 
 
 def shard_files(folder: Path) -> list[Path]:
+    """The token shards of ``folder``: its ``.bin``/``.npy`` files, sorted by name."""
     return sorted(p for p in folder.iterdir() if p.is_file() and p.suffix.lower() in TOKEN_SUFFIXES
                   and not p.name.startswith("."))
 
@@ -192,7 +193,7 @@ def read_index(idx: Path, bin_bytes: int) -> tuple[np.dtype, np.ndarray, np.ndar
 def open_indexed(prefix: Path, vocab_size: int, eot_id: int | None) -> TokenStream:
     """A Megatron indexed dataset as one stream of its documents, joined by ``eot_id`` (inferred
     when every document already ends with the same id)."""
-    bin_path, idx = prefix.with_suffix(".bin"), prefix.with_suffix(".idx")
+    bin_path, idx = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
     for p in (bin_path, idx):
         if not p.is_file():
             raise DataError(f"indexed dataset {str(prefix)!r}: {str(p)!r} is missing")
@@ -219,6 +220,9 @@ def open_indexed(prefix: Path, vocab_size: int, eot_id: int | None) -> TokenStre
     return TokenStream([ids], np.zeros(len(lo), np.int64), lo, hi, sep, eot_id)
 
 
-def is_indexed(source: Path) -> bool:
-    """``prefix``, ``prefix.bin`` or ``prefix.idx`` of a Megatron dataset (the ``.idx`` exists)."""
-    return source.suffix.lower() in (".bin", ".idx", "") and source.with_suffix(".idx").is_file()
+def indexed_prefix(source: Path) -> Path | None:
+    """The prefix of a Megatron dataset named by ``prefix``, ``prefix.bin`` or ``prefix.idx``
+    (its ``.idx`` exists), else None. A prefix may itself hold dots (``corpus.v1``)."""
+    if source.suffix.lower() in (".bin", ".idx") and source.with_suffix(".idx").is_file():
+        return source.with_suffix("")
+    return source if Path(f"{source}.idx").is_file() else None
