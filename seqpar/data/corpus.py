@@ -274,6 +274,11 @@ class Corpus:
     tokenizer: Tokenizer | None  # None for bare token files
     eot_id: int | None
     tokenizer_given: bool = False  # True: data.tokenizer or a checkpoint's, not a BPE trained here
+    # a blend (data.sources): its sources' corpora, normalised weights and names; ``tokens`` then
+    # reads them one after another (:class:`~seqpar.data.blend.Joined`)
+    parts: tuple[Corpus, ...] = ()
+    weights: tuple[float, ...] = ()
+    names: tuple[str, ...] = ()
 
     def split(self, eval_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
         """``(train, heldout)`` views: the held-out part is the last ``eval_fraction`` of tokens."""
