@@ -14,12 +14,13 @@ import json
 import os
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+from .text import TextInput
 
 EOT = "<|endoftext|>"
 CHUNK = 1 << 24  # bytes read at a time when verifying (a multiple of every id size)
@@ -29,22 +30,6 @@ Log = Callable[[str], None]
 def token_dtype(vocab_size: int) -> np.dtype:
     """``uint16`` when every id fits (vocab <= 65535), else ``uint32``."""
     return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
-
-
-@dataclass(frozen=True)
-class Document:
-    """One input file of a text corpus, as listed (and fingerprinted) before reading."""
-
-    path: Path
-    nbytes: int  # bytes read from the start of the file (the last file may be cut by the cap)
-    size: int
-    mtime_ns: int
-
-
-def read_document(doc: Document) -> str:
-    """The listed prefix of ``doc`` as text (undecodable bytes replaced)."""
-    with open(doc.path, "rb") as f:
-        return f.read(doc.nbytes).decode("utf-8", errors="replace")  # a cut may split a character
 
 
 def _fsync(path: Path) -> None:
@@ -101,49 +86,35 @@ def file_digest(path: Path, dtype: np.dtype | None = None) -> dict | None:
 
 def cache_problem(folder: Path, fp: str, vocab_size: int) -> tuple[dict | None, str | None]:
     """``(meta, None)`` when ``folder`` holds a complete cache of fingerprint ``fp`` whose ids all
-    lie below ``vocab_size``; else ``(None, what is wrong)``. Reads every byte of both files."""
+    lie below ``vocab_size``; else ``(None, what is wrong)``. Reads every byte of every file."""
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
         return None, f"{meta_path} is missing"
     try:
         meta = json.loads(meta_path.read_text())
         dtype, n, files = np.dtype(meta["dtype"]), int(meta["tokens"]), meta["files"]
+        shards = [str(name) for name in meta.get("shards", ["tokens.bin"])]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return None, f"{meta_path} is unreadable or incomplete ({type(e).__name__}: {str(e)[:200]})"
     if meta.get("fingerprint") != fp:
         return None, f"{meta_path} describes other inputs"
-    for name in ("tokenizer.json", "tokens.bin"):  # tokens last: ``got`` then describes them
+    nbytes = 0
+    for name in ("tokenizer.json", *shards):
         want = files.get(name) if isinstance(files, dict) else None
-        got = file_digest(folder / name, dtype if name == "tokens.bin" else None)
+        got = file_digest(folder / name, dtype if name != "tokenizer.json" else None)
         if got is None or not isinstance(want, dict):
             return None, f"{folder / name} is missing or not recorded in meta.json"
         if got["bytes"] != want.get("bytes"):
             return None, f"{folder / name} has {got['bytes']} bytes, meta.json records {want.get('bytes')}"
         if got["sha256"] != want.get("sha256"):
             return None, f"{folder / name} does not match the SHA-256 recorded in meta.json"
-    if got["bytes"] != n * dtype.itemsize:
-        return None, f"{meta_path} records {n} tokens of {dtype.name} but tokens.bin has {got['bytes']} bytes"
-    if got["max_id"] >= vocab_size:
-        return None, (f"{folder / 'tokens.bin'} holds id {got['max_id']}, outside the vocabulary "
-                      f"[0, {vocab_size})")
+        if name != "tokenizer.json":
+            nbytes += got["bytes"]
+            if got["max_id"] >= vocab_size:
+                return None, f"{folder / name} holds id {got['max_id']}, outside the vocabulary [0, {vocab_size})"
+    if nbytes != n * dtype.itemsize:
+        return None, f"{meta_path} records {n} tokens of {dtype.name} but the token files have {nbytes} bytes"
     return meta, None
-
-
-@dataclass(frozen=True)
-class TextInput:
-    """What a text cache is built from: its documents, read a batch at a time, in order."""
-
-    batches: Callable[[], Iterator[list[str]]]  # a fresh pass over the documents each call
-    documents: int
-    nbytes: int  # bytes of text (for the progress lines)
-
-
-def file_input(docs: list[Document], chunk: int = 256) -> TextInput:
-    """The documents of a text source (files), ``chunk`` files at a time."""
-    def batches() -> Iterator[list[str]]:
-        for start in range(0, len(docs), chunk):
-            yield [read_document(d) for d in docs[start:start + chunk]]
-    return TextInput(batches, len(docs), sum(d.nbytes for d in docs))
 
 
 def _train_tokenizer(text: TextInput, vocab_size: int, out: Path, log: Log) -> Tokenizer:
@@ -178,41 +149,12 @@ def _reusable_tokenizer(folder: Path, log: Log) -> Tokenizer | None:
     return tok
 
 
-def _encode_corpus(text: TextInput, tok: Tokenizer, eot: int, dtype: np.dtype, out: Path, log: Log) -> int:
-    total, done, files = 0, 0, 0
-
-    def write(tmp: Path) -> None:
-        nonlocal total, done, files
-        with open(tmp, "wb") as f:
-            for batch in text.batches():
-                for enc in tok.encode_batch(batch):
-                    ids = enc.ids if files == 0 else [eot, *enc.ids]  # documents joined by EOT
-                    np.asarray(ids, dtype=dtype).tofile(f)
-                    total, files = total + len(ids), files + 1
-                done += sum(len(t.encode()) for t in batch)
-                log(f"data: encoded {files}/{text.documents} documents ({done / 1e6:.1f} MB), {total:,} tokens")
-
-    atomic_write(out, write)
-    return total
-
-
-def build_cache(folder: Path, text: TextInput, fp: str, source: str | Path | None, vocab_size: int, log: Log,
-                tokenizer: Tokenizer | None = None, eot_id: int | None = None) -> None:
-    """Write the tokenizer (``tokenizer`` when given; else one reused from an earlier build that
-    left a trusted one, or trained), the tokens, then the meta."""
-    folder.mkdir(exist_ok=True)
-    if tokenizer is not None:
-        atomic_write(folder / "tokenizer.json", lambda tmp: tokenizer.save(str(tmp)))
-        tok = tokenizer
-    else:
-        tok = _reusable_tokenizer(folder, log) or _train_tokenizer(text, vocab_size, folder / "tokenizer.json", log)
-        eot_id = tok.token_to_id(EOT)
-    (folder / "meta.json").unlink(missing_ok=True)  # from here on the folder reads as incomplete
-    dtype = token_dtype(vocab_size)
-    n = _encode_corpus(text, tok, eot_id, dtype, folder / "tokens.bin", log)
-    meta = {"fingerprint": fp, "source": str(source or "<stdlib>"), "documents": text.documents,
-            "vocab_size": vocab_size, "tokenizer_vocab_size": tok.get_vocab_size(), "dtype": dtype.name,
-            "tokens": n, "eot_id": eot_id, "tokenizer": "given" if tokenizer is not None else "trained",
-            "files": {name: file_digest(folder / name) for name in ("tokenizer.json", "tokens.bin")}}
-    atomic_write(folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
-    log(f"data: wrote {n:,} tokens to {folder}")
+def cache_tokenizer(folder: Path, text: TextInput, vocab_size: int, log: Log, given: Tokenizer | None,
+               eot_id: int | None) -> tuple[Tokenizer, int]:
+    """The cache's tokenizer and end-of-text id: ``given`` (saved into the folder), else one an
+    earlier build left and meta.json does not contradict, else a BPE trained on ``text``."""
+    if given is not None:
+        atomic_write(folder / "tokenizer.json", lambda tmp: given.save(str(tmp)))
+        return given, eot_id
+    tok = _reusable_tokenizer(folder, log) or _train_tokenizer(text, vocab_size, folder / "tokenizer.json", log)
+    return tok, tok.token_to_id(EOT)

@@ -39,18 +39,19 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from .cache import (CHUNK, EOT, Document, Log, TextInput, build_cache, cache_problem, file_input,  # noqa: F401
-                    locked, token_dtype)
+from .cache import EOT, Log, cache_problem, locked
+from .shards import encode_shards, finish_cache, start_cache
+from .text import Document, TextInput, file_input
 from .errors import DataError
 from .records import record_files, record_input
 from .tokenizer import tokenizer_digest
-from .tokens import TOKEN_SUFFIXES, indexed_prefix, map_ids, open_indexed, open_shards, shard_files
+from .tokens import TOKEN_SUFFIXES, indexed_prefix, joined, map_ids, open_indexed, open_shards, shard_files
 
 MIN_VOCAB = 257  # 256 byte tokens + the end-of-text token
 DEFAULT_MAX_BYTES = 8_000_000
@@ -153,46 +154,35 @@ class TextPlan:
 
     folder: Path
     fp: str
-    text: TextInput
+    load: Callable[[], TextInput]  # the text, opened only when the cache is (re)built
 
 
 def _text_plan(source, vocab_size: int, base: Path, max_bytes: int, exclude, tokenizer: Tokenizer | None,
                eot_id: int | None, text_field: str) -> TextPlan:
     given = f"{tokenizer_digest(tokenizer)}:{eot_id}" if tokenizer is not None else None
-    if source_kind(source) == "records":
-        files = record_files(Path(source))
+    if source_kind(source) == "records":  # a verified cache needs no datasets package
+        files = record_files(Path(source).expanduser())
         docs = [Document(p.resolve(), p.stat().st_size, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
         fp = fingerprint(docs, vocab_size, 0, f"{given}:{text_field}")
-        return TextPlan(base / f"corpus-{fp[:16]}", fp, _LazyRecords(files, text_field, base / "datasets"))
+        return TextPlan(base / f"corpus-{fp[:16]}", fp, lambda: record_input(files, text_field, base / "datasets"))
     docs = list_documents(source, max_bytes, exclude=(*exclude, base))
     fp = fingerprint(docs, vocab_size, max_bytes, given)
-    return TextPlan(base / f"corpus-{fp[:16]}", fp, file_input(docs))
-
-
-class _LazyRecords(TextInput):
-    """A datasets source opened only when its cache is (re)built: a verified cache needs no ``datasets``."""
-
-    def __init__(self, files: list[Path], text_field: str, hf_cache: Path):
-        object.__setattr__(self, "_args", (files, text_field, hf_cache))
-        object.__setattr__(self, "_real", None)
-
-    def __getattr__(self, name):  # batches, documents, nbytes
-        if name.startswith("_"):
-            raise AttributeError(name)
-        if self._real is None:
-            object.__setattr__(self, "_real", record_input(*self._args))
-        return getattr(self._real, name)
+    return TextPlan(base / f"corpus-{fp[:16]}", fp, lambda: file_input(docs))
 
 
 def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_dir: str | Path | None = None,
                    max_bytes: int = DEFAULT_MAX_BYTES, log: Log = print, exclude: Iterable[str | Path] = (),
-                   tokenizer: Tokenizer | None = None, eot_id: int | None = None, text_field: str = "text") -> Corpus:
+                   tokenizer: Tokenizer | None = None, eot_id: int | None = None, text_field: str = "text",
+                   workers: int = 1) -> Corpus:
     """Encode the corpus unless a verified cache exists (training a BPE first when no
     ``tokenizer`` is given); return the opened corpus.
 
-    Safe to call from every rank at once (one builds, the others wait on a file lock, then verify
-    and reuse it). A cache that fails verification is rebuilt. Token sources are only checked and
-    opened. ``exclude``: folders inside ``source`` that are not corpus.
+    Safe to call from every rank at once: the tokenizer is trained once under the cache's file
+    lock; a corpus of one shard is encoded there too (the others wait, then verify and reuse it),
+    a larger one by every caller at once, each with ``workers`` processes
+    (:mod:`seqpar.data.shards`). A cache that fails verification is rebuilt, keeping the shards
+    that still match their records. Token sources are only checked and opened. ``exclude``:
+    folders inside ``source`` that are not corpus.
     """
     if source_kind(source) not in ("text", "records"):
         return open_corpus(source, vocab_size=vocab_size, tokenizer=tokenizer, eot_id=eot_id)
@@ -200,16 +190,30 @@ def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_d
     base = _cache_base(cache_dir)
     plan = _text_plan(source, vocab_size, base, max_bytes, exclude, tokenizer, eot_id, text_field)
     base.mkdir(parents=True, exist_ok=True)
-    with locked(base / f"{plan.folder.name}.lock", log):
+    lock, given = base / f"{plan.folder.name}.lock", tokenizer is not None
+    with locked(lock, log):
         meta, problem = cache_problem(plan.folder, plan.fp, vocab_size)
         if meta is None:
             if (plan.folder / "meta.json").exists() or (plan.folder / "tokens.bin").exists():
                 log(f"data: rebuilding the corpus cache: {problem}")
-            build_cache(plan.folder, plan.text, plan.fp, source, vocab_size, log, tokenizer, eot_id)
+            job = start_cache(plan.folder, plan.load(), plan.fp, vocab_size, log, tokenizer, eot_id)
+            if len(job.shards) == 1:
+                meta = _finish(job, source, vocab_size, log, given)
+    if meta is None:  # several shards: every caller encodes them, outside the lock
+        encode_shards(job, workers, log)
+        with locked(lock, log):
             meta, problem = cache_problem(plan.folder, plan.fp, vocab_size)
             if meta is None:
-                raise RuntimeError(f"the corpus cache just written fails its own check: {problem}")
+                meta = _finish(job, source, vocab_size, log, given)
     return _open_folder(plan.folder, meta, vocab_size, given=tokenizer is not None)
+
+
+def _finish(job, source, vocab_size: int, log: Log, given: bool) -> dict:
+    finish_cache(job, source, vocab_size, log, given)
+    meta, problem = cache_problem(job.folder, job.fp, vocab_size)
+    if meta is None:
+        raise RuntimeError(f"the corpus cache just written fails its own check: {problem}")
+    return meta
 
 
 def open_corpus(source: str | Path | None = None, *, vocab_size: int, cache_dir: str | Path | None = None,
@@ -237,8 +241,11 @@ def _check_vocab(vocab_size: int) -> None:
 
 
 def _open_folder(folder: Path, meta: dict, vocab_size: int, given: bool = False) -> Corpus:
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tokens = np.memmap(folder / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["tokens"],))
+    """A verified cache: ``tokens.bin`` memory-mapped, or its shards read as one stream."""
+    tok, dtype = Tokenizer.from_file(str(folder / "tokenizer.json")), np.dtype(meta["dtype"])
+    shards = meta.get("shards", ["tokens.bin"])
+    maps = [np.memmap(folder / name, dtype=dtype, mode="r") for name in shards]
+    tokens = maps[0] if len(maps) == 1 else joined(maps)
     eot = meta.get("eot_id", tok.token_to_id(EOT))
     return Corpus(tokens, vocab_size, tok, eot, given)
 

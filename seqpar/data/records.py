@@ -6,11 +6,12 @@ Records are read a batch at a time from the memory-mapped Arrow table, never all
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
-from .cache import TextInput
 from .errors import DataError
+from .text import TextInput
 
 RECORD_SUFFIXES = {".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 BATCH = 1000  # records per encode_batch call
@@ -45,24 +46,39 @@ def _load(files: list[Path], cache_dir: Path):
                         f"({type(e).__name__}: {str(e)[:200]})") from None
 
 
+@dataclass(frozen=True)
+class RecordPiece:
+    """Records ``[lo, hi)`` of a loaded dataset (memory-mapped; pickles by reference to its files)."""
+
+    column: Any  # a datasets.Dataset holding only the text column
+    field: str
+    lo: int
+    hi: int
+    name: str  # the first dataset file, for errors
+    nbytes: int  # an estimate, for the progress lines
+
+    @property
+    def documents(self) -> int:
+        return self.hi - self.lo
+
+    def texts(self) -> Iterator[list[str]]:
+        texts = self.column[self.lo:self.hi][self.field]
+        bad = next((j for j, t in enumerate(texts) if not isinstance(t, str)), None)
+        if bad is not None:
+            raise DataError(f"dataset {self.name!r}: record {self.lo + bad} has data.text_field={self.field!r} of "
+                            f"type {type(texts[bad]).__name__}, not a string")
+        yield texts
+
+
 def record_input(files: list[Path], text_field: str, cache_dir: Path) -> TextInput:
     """The records of ``files`` as documents (their ``text_field`` strings), checked up front."""
     table = _load(files, cache_dir)
     if text_field not in table.column_names:
         raise DataError(f"dataset {str(files[0])!r} has no column data.text_field={text_field!r} "
                         f"(columns: {table.column_names})")
-    column = table.select_columns([text_field])
-    if len(column) == 0:
+    column, n = table.select_columns([text_field]), len(table)
+    if n == 0:
         raise DataError(f"dataset {str(files[0])!r} holds no records")
-
-    def batches() -> Iterator[list[str]]:
-        for i, batch in enumerate(column.iter(batch_size=BATCH)):
-            texts = batch[text_field]
-            bad = next((j for j, t in enumerate(texts) if not isinstance(t, str)), None)
-            if bad is not None:
-                raise DataError(f"dataset {str(files[0])!r}: record {i * BATCH + bad} has data.text_field="
-                                f"{text_field!r} of type {type(texts[bad]).__name__}, not a string")
-            yield texts
-
-    nbytes = sum(p.stat().st_size for p in files)  # the files' size: a progress estimate only
-    return TextInput(batches, len(column), nbytes)
+    per_record = sum(p.stat().st_size for p in files) / n  # the files' size: a progress estimate only
+    return TextInput(tuple(RecordPiece(column, text_field, lo, min(lo + BATCH, n), str(files[0]),
+                                       int(per_record * (min(lo + BATCH, n) - lo))) for lo in range(0, n, BATCH)))

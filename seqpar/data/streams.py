@@ -56,7 +56,7 @@ def load_corpus(cfg: RunConfig, log: Callable[[str], None]) -> Corpus:
                         f"own BPE); set data.tokenizer")
     parts = [prepare_corpus(s, vocab_size=mc.vocab_size, cache_dir=dc.cache_dir, max_bytes=dc.max_bytes, log=log,
                             exclude=(cfg.out_dir, cfg.checkpoint.dir), tokenizer=tok, eot_id=eot,
-                            text_field=dc.text_field) for s in sources]
+                            text_field=dc.text_field, workers=dc.workers) for s in sources]
     for s, corpus in zip(sources, parts):
         if corpus.vocab_size > mc.vocab_size:
             raise DataError(f"data.source={s!r} needs vocab_size >= {corpus.vocab_size}, model.vocab_size is "

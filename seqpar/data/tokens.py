@@ -151,7 +151,11 @@ def open_shards(folder: Path, vocab_size: int) -> TokenStream:
     paths = shard_files(folder)
     if not paths:
         raise DataError(f"token folder {str(folder)!r} holds no .bin/.npy shards")
-    bases = [map_ids(p, vocab_size) for p in paths]
+    return joined([map_ids(p, vocab_size) for p in paths])
+
+
+def joined(bases: list[np.ndarray]) -> TokenStream:
+    """Id arrays read one after another as one stream, nothing added between them."""
     n = len(bases)
     return TokenStream(bases, np.arange(n), np.zeros(n, np.int64), np.array([len(b) for b in bases], np.int64),
                        np.zeros(n, bool), None)
