@@ -184,6 +184,10 @@ def encode_shards(job: ShardJob, workers: int, log: Log) -> None:
                 if shard_record(job, k) is None:
                     encode_shard(job, k, tok)
             progress()
+    except BaseException:
+        for p in helpers:  # a shard a helper leaves unfinished is encoded again by whoever comes next
+            p.terminate()
+        raise
     finally:
         for p in helpers:
             p.join()
