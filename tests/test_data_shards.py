@@ -116,3 +116,18 @@ def test_ranks_share_the_shards_and_each_is_encoded_once(tmp_path, spawn):
     (folder,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
     n = len(list(folder.glob("tokens-*.bin")))
     assert sorted(mine_a + mine_b) == list(range(n))  # every shard once, by one of the two ranks
+
+
+def test_dataset_records_are_sharded_and_read_by_helper_processes(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    import json
+
+    rows = [{"text": f"record {i} " + "lorem ipsum " * (i % 7 + 1)} for i in range(2500)]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    one = prepare_corpus(tmp_path / "d.jsonl", vocab_size=V, cache_dir=tmp_path / "one", log=lambda _: None)
+    monkeypatch.setattr(shards, "SHARD_BYTES", 20_000)  # about one 1000-record piece a shard
+    many = prepare_corpus(tmp_path / "d.jsonl", vocab_size=V, cache_dir=tmp_path / "many", log=lambda _: None,
+                          tokenizer=one.tokenizer, eot_id=one.eot_id, workers=2)
+    (folder,) = (tmp_path / "many").glob("corpus-*/")
+    assert len(list(folder.glob("tokens-*.bin"))) == 3
+    assert np.asarray(many.tokens).tolist() == np.asarray(one.tokens).tolist()
