@@ -92,7 +92,7 @@ class DataConfig:
     source: str | None = None    # text file or folder, datasets file(s) (.jsonl/.parquet/.arrow), token file
     #                              (.bin/.npy) or folder of shards, Megatron prefix (.bin+.idx); None = Python's stdlib
     sources: list[BlendSource] = field(default_factory=list)  # a blend [{source, weight}, ...] instead of source
-    max_bytes: int = 8_000_000   # cap on the text read for the default corpus
+    max_bytes: int = 8_000_000   # cap on the text read from a text source (raise it for a real corpus)
     eval_fraction: float = 0.05  # tail of the token stream held out for eval (of each source in a blend)
     cache_dir: str | None = None # tokenizer + token cache; None = $SEQPAR_CACHE or ~/.cache/seqpar
     # tokenizer.json or a local Hugging Face model folder that encodes text sources; None = the
