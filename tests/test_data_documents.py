@@ -42,3 +42,15 @@ def test_bad_data_fails_on_every_rank_before_training(tmp_path, spawn):
     (tmp_path / "bad.npy").write_bytes(b"\x93NUMPY not an array")
     messages = spawn(_bad_source, 2, str(tmp_path / "bad.npy"), str(tmp_path))
     assert messages[0] == messages[1] and "bad.npy' is unreadable" in messages[0]
+
+
+def test_a_text_source_cut_by_max_bytes_says_so(tmp_path):
+    (tmp_path / "src").mkdir()
+    for i in range(3):
+        (tmp_path / "src" / f"{i}.txt").write_text("words and more words " * 50)
+    logs = []
+    prepare_corpus(tmp_path / "src", vocab_size=400, cache_dir=tmp_path / "cache", log=logs.append, max_bytes=1500)
+    assert any("reading only the first 1,500 bytes" in line and "data.max_bytes" in line for line in logs)
+    logs.clear()
+    prepare_corpus(tmp_path / "src", vocab_size=400, cache_dir=tmp_path / "cache", log=logs.append)
+    assert not any("reading only" in line for line in logs)

@@ -155,6 +155,7 @@ class TextPlan:
     folder: Path
     fp: str
     load: Callable[[], TextInput]  # the text, opened only when the cache is (re)built
+    capped: bool = False  # max_bytes cut the source short
 
 
 def _text_plan(source, vocab_size: int, base: Path, max_bytes: int, exclude, tokenizer: Tokenizer | None,
@@ -167,7 +168,8 @@ def _text_plan(source, vocab_size: int, base: Path, max_bytes: int, exclude, tok
         return TextPlan(base / f"corpus-{fp[:16]}", fp, lambda: record_input(files, text_field, base / "datasets"))
     docs = list_documents(source, max_bytes, exclude=(*exclude, base))
     fp = fingerprint(docs, vocab_size, max_bytes, given)
-    return TextPlan(base / f"corpus-{fp[:16]}", fp, lambda: file_input(docs))
+    capped = source is not None and sum(d.nbytes for d in docs) >= max_bytes
+    return TextPlan(base / f"corpus-{fp[:16]}", fp, lambda: file_input(docs), capped)
 
 
 def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_dir: str | Path | None = None,
@@ -189,6 +191,9 @@ def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_d
     _check_vocab(vocab_size)
     base = _cache_base(cache_dir)
     plan = _text_plan(source, vocab_size, base, max_bytes, exclude, tokenizer, eot_id, text_field)
+    if plan.capped:
+        log(f"data: reading only the first {max_bytes:,} bytes of {str(source)!r} (data.max_bytes); "
+            f"raise it to read more")
     base.mkdir(parents=True, exist_ok=True)
     lock, given = base / f"{plan.folder.name}.lock", tokenizer is not None
     with locked(lock, log):
