@@ -105,3 +105,39 @@ def test_generate_export_import_memory_plan(tmp_path):
     _assert_one_line(p, "heads")
     p = _run(seqpar + ["plan", "model.stepz=1"], tmp_path)
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > pwned.txt",))
+
+
+def test_checkpoints_that_are_unsafe_outside_or_in_use_are_one_line(tmp_path):
+    """A malicious metadata pickle, a shard symlinked outside its folder and a checkpoint dir held by
+    another job: each refused in one line naming it, exit 2, through `train` and `generate`."""
+    import pickle
+    import shutil
+
+    from seqpar.checkpoint.files import open_checkpoint_dir
+    seqpar = [sys.executable, "-m", "seqpar.cli"]
+    ckpt = tmp_path / "ckpt"
+    common = TINY + [f"data.source={_tokens(tmp_path)}", f"checkpoint.dir={ckpt}", f"out_dir={tmp_path / 'out'}",
+                     "checkpoint.interval=2"]
+    p = _run(seqpar + ["train"] + common, tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    step = ckpt / "step_00000002"
+    with open_checkpoint_dir(ckpt, is_first=True):  # another job holds the dir
+        p = _run(seqpar + ["train"] + common + ["train.steps=4", "checkpoint.resume=auto"], tmp_path)
+    _assert_one_line(p, "in use by another job", str(ckpt))
+    shard = next(step.glob("*.distcp"))
+    outside = tmp_path / "elsewhere.distcp"
+    shutil.move(shard, outside)
+    shard.symlink_to(outside)
+    p = _run(seqpar + ["generate", str(step), "--tokens", "2"], tmp_path)
+    _assert_one_line(p, "outside the checkpoint folder", shard.name)
+    shard.unlink()
+    shutil.move(outside, shard)
+    (step / ".metadata").write_bytes(pickle.dumps(_Evil()))
+    p = _run(seqpar + ["generate", str(step), "--tokens", "2"], tmp_path)
+    _assert_one_line(p, ".metadata")
+    assert not (tmp_path / "pwned.txt").exists()

@@ -319,3 +319,19 @@ def test_the_checks_find_what_is_wrong():
     assert "seqpar memory --help lists no --mesure" in bad[5]
     clean = SYNTHETIC.split("```bash")[0].replace("[gone](nowhere.md),", "").replace("[bad anchor](#no-such-heading),", "")
     assert link_problems(page, clean) == [] and command_problems("```bash\nseqpar train tiny-cpu\n```", helps) == []
+
+
+def test_the_layout_page_lists_every_module_and_only_real_ones():
+    block = (ROOT / "docs" / "layout.md").read_text().split("```")[1]
+    listed, package = set(), None
+    for line in block.splitlines():
+        first = line.split("  ")[0].strip() if not line.startswith(" ") else line.strip().split("  ")[0]
+        if not line.startswith(" ") and first.endswith("/"):
+            package = first
+            continue
+        names = [n.strip() for n in first.split(",")]
+        listed |= {n if not line.startswith(" ") else package + n for n in names if n.endswith(".py")}
+    modules = {str(p.relative_to(ROOT)) for p in (ROOT / "seqpar").rglob("*.py")
+               if p.name != "__init__.py" or p.parent.name == "seqpar"}
+    assert not modules - listed, f"modules missing from docs/layout.md: {sorted(modules - listed)}"
+    assert not listed - modules, f"docs/layout.md lists modules that do not exist: {sorted(listed - modules)}"

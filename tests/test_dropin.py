@@ -269,3 +269,19 @@ def test_attention_with_disagreeing_sequence_lengths_raises():
         _WRAPPERS["eager"](module, q, k, k, None)
     with pytest.raises(ValueError, match=r"mask \(2, 1, 16, 8\)"):
         _WRAPPERS["eager"](module, q, q, q, torch.zeros(2, 1, 16, 8))
+
+
+def test_checkpoint_attention_leaves_the_callers_config_alone():
+    transformers = pytest.importorskip("transformers")
+    from seqpar.dropin import checkpoint_attention
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16,
+                                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 32, (2, 8))
+    before = model(input_ids=ids, labels=ids).loss
+    checkpoint_attention(model)
+    assert config._attn_implementation == "eager", "the caller's config object was changed"
+    assert model.config is not config and model.config._attn_implementation != "eager"
+    assert all(m.config is model.config for m in model.modules() if hasattr(m, "config"))
+    torch.testing.assert_close(model(input_ids=ids, labels=ids).loss, before)

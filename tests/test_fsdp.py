@@ -5,7 +5,6 @@ import contextlib
 import math
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -18,20 +17,17 @@ from seqpar.sharding import local_tensor, sp_replicated_parameters
 from seqpar.train import Trainer
 from seqpar.checkpoint import complete_checkpoints
 
+from run_helpers import run_overrides
+
 STEPS = 20
 
 
 def _overrides(tmp: Path, **extra) -> list[str]:
-    tokens = np.random.default_rng(0).integers(0, 64, size=6000).astype(np.uint16)
-    np.save(tmp / "tokens.npy", tokens)
-    cfg = {"model.vocab_size": 64, "model.vocab_multiple": 3, "model.seq_len": 16, "model.hidden": 16,
+    return run_overrides(tmp, {"model.vocab_size": 64, "model.vocab_multiple": 3, "model.seq_len": 16, "model.hidden": 16,
            "model.heads": 4, "model.layers": 2, "model.dropout": 0.0, "model.attention_dropout": 0.0,
            "model.sequence_parallel": True, "model.recompute": "selective", "model.tie_embeddings": False,
            "train.steps": STEPS, "train.micro_batch": 2, "train.global_batch": 8, "train.warmup_steps": 2,
-           "train.eval_interval": 0, "train.seed": 3, "train.precision": "fp32", "data.source": str(tmp / "tokens.npy"),
-           "checkpoint.dir": str(tmp / "ckpt"), "checkpoint.resume": "never", "out_dir": str(tmp / "out")}
-    cfg.update({k.replace("__", "."): v for k, v in extra.items()})
-    return [f"{k}={v}" for k, v in cfg.items()]
+           "train.eval_interval": 0, "train.seed": 3, "train.precision": "fp32"}, **extra)
 
 
 def _trainer(tmp: Path, tp: int, **extra) -> Trainer:

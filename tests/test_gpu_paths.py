@@ -23,9 +23,8 @@ def _fake_gpus(monkeypatch, count):
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
 
 
-def test_cuda_runs_get_the_mixed_backend(monkeypatch):
-    """Plain "nccl" has no CPU backend: the loop's host-side scalars crashed every GPU run."""
-    _fake_gpus(monkeypatch, 8)
+def _capture_init(monkeypatch, *, local_rank: int, local_world: int) -> dict:
+    """``init_process_group``'s keyword arguments, caught (the call then stops with ``_Stop``)."""
     seen = {}
 
     def fake_init(**kwargs):
@@ -33,8 +32,15 @@ def test_cuda_runs_get_the_mixed_backend(monkeypatch):
         raise _Stop
 
     monkeypatch.setattr(dist, "init_process_group", fake_init)
-    monkeypatch.setenv("LOCAL_RANK", "3")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    return seen
+
+
+def test_cuda_runs_get_the_mixed_backend(monkeypatch):
+    """Plain "nccl" has no CPU backend: the loop's host-side scalars crashed every GPU run."""
+    _fake_gpus(monkeypatch, 8)
+    seen = _capture_init(monkeypatch, local_rank=3, local_world=8)
     with pytest.raises(_Stop):
         init_parallel(tp=2, world_size=8, rank=3, init_method="file:///nonexistent")
     assert seen["backend"] == MIXED_BACKEND == "cpu:gloo,cuda:nccl"
@@ -234,15 +240,7 @@ def test_gloo_ranks_can_share_one_gpu(monkeypatch):
     (NCCL refuses two ranks on one device), no device_id bound."""
     _fake_gpus(monkeypatch, 1)
     monkeypatch.setattr(torch.cuda, "init", lambda: None)
-    seen = {}
-
-    def fake_init(**kwargs):
-        seen.update(kwargs)
-        raise _Stop
-
-    monkeypatch.setattr(dist, "init_process_group", fake_init)
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    seen = _capture_init(monkeypatch, local_rank=1, local_world=2)
     with pytest.raises(_Stop):
         init_parallel(tp=2, world_size=2, rank=1, init_method="file:///nonexistent", backend="gloo", device="cuda:0")
     assert seen["backend"] == "gloo" and "device_id" not in seen

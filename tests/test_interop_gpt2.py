@@ -1,5 +1,4 @@
 """GPT-2 checkpoints in seqpar's GPT and back: same logits, loss and gradients at t=1 and t=2."""
-import copy
 
 import pytest
 import torch
@@ -8,6 +7,7 @@ transformers = pytest.importorskip("transformers")
 
 from distributed_harness import rel_err, tp_group_of  # noqa: E402
 from gpt_helpers import loss_and_dense_grads, mesh_for  # noqa: E402
+from hf_helpers import hf_reference, perturb, shifted_batch  # noqa: E402
 from seqpar.distributed.collectives import all_gather_dim  # noqa: E402
 from seqpar.interop.gpt2 import from_hf, to_hf  # noqa: E402
 from seqpar.model import GPT  # noqa: E402
@@ -21,27 +21,12 @@ def hf_gpt2(seed=0, **kw):
     cfg.update(kw)
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg)).eval()
-    with torch.no_grad():  # GPT-2 initialises biases and LayerNorms to constants: make every tensor matter
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or ".ln_" in name:
-                p.add_(0.05 * torch.randn_like(p))
+    perturb(model, lambda name: name.endswith("bias") or ".ln_" in name, 0.05)
     return model
 
 
 def batch():
-    ids = torch.randint(0, 64, (B, S), generator=torch.Generator().manual_seed(1))
-    return ids, torch.cat([ids[:, 1:], torch.full((B, 1), -100)], 1)  # GPT-2 shifts labels inside
-
-
-def hf_reference(hf):
-    """HF logits, loss and gradients in seqpar's dense layout."""
-    ids, _ = batch()
-    out = hf(input_ids=ids, labels=ids, use_cache=False)
-    out.loss.backward()
-    as_grads = copy.deepcopy(hf)
-    for p, q in zip(as_grads.parameters(), hf.parameters()):
-        p.data = q.grad
-    return out.logits.detach(), out.loss.detach(), from_hf(as_grads)[1]
+    return shifted_batch(64, B, S)
 
 
 def seqpar_run(hf, group, **overrides):
@@ -73,7 +58,7 @@ def check(result, reference, what):
 
 
 def test_converted_gpt2_matches_at_t1_and_t2(spawn):
-    refs = {tied: hf_reference(hf_gpt2(tie_word_embeddings=tied)) for tied in (True, False)}
+    refs = {tied: hf_reference(hf_gpt2(tie_word_embeddings=tied), batch()[0], from_hf) for tied in (True, False)}
     check(seqpar_run(hf_gpt2(), None, sequence_parallel=False), refs[True], "t=1")
     check(seqpar_run(hf_gpt2(tie_word_embeddings=False), None), refs[False], "t=1 untied")
     for rank, r in enumerate(spawn(_t2, 2)):

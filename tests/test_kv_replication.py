@@ -14,6 +14,9 @@ from gpt_helpers import batch, loss_and_dense_grads, mesh_for, tiny_config
 from seqpar import checkpoint as ck
 from seqpar.distributed.collectives import all_gather_dim
 from seqpar.dropin import dense_state_dict
+from seqpar.memory import ActivationLedger
+from seqpar.memory.params import layer_params
+from seqpar.memory.whole_model import layer_bytes
 from seqpar.model import GPT, GPTConfig
 from seqpar.parallel.grads import clip_grad_norm
 from seqpar.sharding import ParamLayout, dense_shape, local_shape, shard, to_dense
@@ -116,9 +119,22 @@ def _hf(group):
     return ours, round_trip, out.logits.detach(), grads, same_dense
 
 
+def _memory(group, t):
+    """Per rank: the saved-activation bytes of each layer (ledger) and one layer's parameters."""
+    out = {}
+    for g in (2, 1):
+        for sp, mode in ((True, "selective"), (False, "none")):
+            model = GPT(llama_config(g, sequence_parallel=sp, recompute=mode, dropout=0.1), mesh_for(group), seed=3)
+            tokens, labels = batch(model.config)
+            with ActivationLedger(model) as ledger:
+                model(tokens, labels)
+            out[(g, sp, mode)] = (ledger.per_layer(), sum(p.numel() for p in model.blocks[0].parameters()))
+    return out
+
+
 def _all(rank, world, root):
     group1, group4 = tp_group_of(1), tp_group_of(4)
-    out = {"gpt1": _gpt_equivalence(group1, 1), "gpt4": _gpt_equivalence(group4, 4)}
+    out = {"gpt1": _gpt_equivalence(group1, 1), "gpt4": _gpt_equivalence(group4, 4), "mem": _memory(group4, 4)}
     out["ckpt"] = _checkpoints(group4, root)
     out["hf"], out["hf_ref"] = _hf(group4), _hf_reference()
     return out
@@ -143,6 +159,17 @@ def test_t4_with_fewer_kv_heads_equals_t1(ranks):
                 assert rel_err(grads[name], ref) < 1e-5, f"{key}: {name} {rel_err(grads[name], ref):.1e}"
                 assert rel_err(clipped[name], ref_clipped[name]) < 1e-5, f"{key}: clipped {name}"
             assert rel_err(norm, ref_norm) < 1e-6 and rel_err(norm_pp, ref_norm) < 1e-6, f"{key}: {norm} {ref_norm}"
+
+
+def test_memory_formulas_count_the_replicated_kv_heads(ranks):
+    """At t=4 with g=2 or 1 each rank keeps one key/value head: the formulas count t heads, not g."""
+    for rank, r in enumerate(ranks):
+        for (g, sp, mode), (per_layer, params) in r["mem"].items():
+            cfg = llama_config(g, sequence_parallel=sp, recompute=mode, dropout=0.1)
+            assert params == layer_params(cfg, 4), (rank, g, sp, mode, params)
+            want = layer_bytes(cfg, mode, s=cfg.seq_len, b=2, t=4, act=4, device="cpu")
+            for layer, measured in per_layer.items():  # within 1%: the norms' per-token statistics
+                assert abs(measured - want) <= 0.01 * want, (rank, g, sp, mode, layer, measured, float(want))
 
 
 def test_checkpoints_move_between_t4_and_t1_with_replicated_kv_heads(ranks):

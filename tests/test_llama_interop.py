@@ -1,7 +1,6 @@
 """Hugging Face Llama checkpoints in seqpar's GPT and back (randomly initialised, no downloads): same
 logits, loss and gradients at t=1 and t=2 with SP; grouped-query attention, untied embeddings, an odd
 vocabulary, Llama 3 RoPE scaling; round trips both ways."""
-import copy
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ transformers = pytest.importorskip("transformers")
 
 from distributed_harness import rel_err, tp_group_of  # noqa: E402
 from gpt_helpers import loss_and_dense_grads, mesh_for  # noqa: E402
+from hf_helpers import hf_reference, perturb, shifted_batch  # noqa: E402
 from seqpar.distributed.collectives import all_gather_dim  # noqa: E402
 from seqpar.interop.llama import from_hf, to_hf  # noqa: E402
 from seqpar.model import GPT, GPTConfig  # noqa: E402
@@ -27,27 +27,12 @@ def hf_llama(variant: str, seed: int = 0):
                max_position_embeddings=S, rms_norm_eps=1e-6, attn_implementation="eager", **VARIANTS[variant])
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
-    with torch.no_grad():  # norms start at ones and biases at zeros: make every tensor matter
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                p.add_(0.1 * torch.randn_like(p))
+    perturb(model, lambda name: "norm" in name or name.endswith("bias"), 0.1)
     return model
 
 
 def batch():
-    ids = torch.randint(0, V, (B, S), generator=torch.Generator().manual_seed(1))
-    return ids, torch.cat([ids[:, 1:], torch.full((B, 1), -100)], 1)  # HF shifts labels inside
-
-
-def hf_reference(hf):
-    """HF logits, loss and gradients in seqpar's dense layout."""
-    ids, _ = batch()
-    out = hf(input_ids=ids, labels=ids, use_cache=False)
-    out.loss.backward()
-    as_grads = copy.deepcopy(hf)
-    for p, q in zip(as_grads.parameters(), hf.parameters()):
-        p.data = q.grad
-    return out.logits.detach(), out.loss.detach(), from_hf(as_grads)[1]
+    return shifted_batch(V, B, S)
 
 
 def _compare(rank, world):
@@ -64,7 +49,7 @@ def _compare(rank, world):
             with torch.no_grad():
                 logits = all_gather_dim(model(ids), group, -1)[..., :V]  # [b, s, v_pad/t] -> [b, s, v]
             loss, grads = loss_and_dense_grads(model, ids, labels)
-            out[(t, variant)] = (logits, loss, grads, hf_reference(hf))
+            out[(t, variant)] = (logits, loss, grads, hf_reference(hf, batch()[0], from_hf))
     return out
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from seqpar.distributed.local import RankFailed, run_local
+import seqpar
 
 
 def _report(rank, world_size, tag):
@@ -95,3 +96,13 @@ def test_a_rank_that_cannot_start_reports_the_start_error(tmp_path):
     assert out.returncode != 0
     assert "can only join a started process" not in out.stderr
     assert "bootstrapping phase" in out.stderr
+
+
+def test_a_parallel_script_started_without_torchrun_says_how_to_start_it(monkeypatch):
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ValueError, match=r"torchrun --nproc-per-node 2"):
+        seqpar.init_parallel(tp=2)
+    with pytest.raises(ValueError, match=r"torchrun --nproc-per-node 4"):
+        seqpar.init_parallel(tp=2, pp=2)
+    assert seqpar.init_parallel(tp=1).world_size == 1  # one process needs no launcher

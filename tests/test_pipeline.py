@@ -247,3 +247,16 @@ def test_stages_keep_the_gpt_names_and_draw_their_own_dropout_masks():
         assert all(m.streams is part.rng for m in part.modules() if hasattr(m, "streams"))
     with pytest.raises(ValueError, match="pp >= 2"):
         build_pipeline(cfg, _mesh(1))
+
+
+def test_a_pipeline_rank_builds_only_its_layers_with_the_same_weights():
+    from seqpar.model.gpt import NotBuilt
+    cfg = GPTConfig(vocab_size=50, seq_len=16, hidden=16, heads=2, layers=4, dropout=0.0, attention_dropout=0.0)
+    full, part = GPT(cfg, seed=5), GPT(cfg, seed=5, build_layers={2, 3})
+    assert all(isinstance(part.blocks[i], NotBuilt) and not list(part.blocks[i].parameters()) for i in (0, 1))
+    whole = dict(full.named_parameters())
+    for name, p in part.named_parameters():  # every layer built here equals the unsplit model's
+        assert torch.equal(p, whole[name]), name
+    assert {n.split(".")[1] for n, _ in part.named_parameters() if n.startswith("blocks.")} == {"2", "3"}
+    with pytest.raises(RuntimeError, match="layer 0 is not built on this rank"):
+        part(torch.zeros(1, 8, dtype=torch.long))

@@ -2,26 +2,22 @@
 pipeline, the launcher's bubble and memory lines, and checkpoints that resume at another pp."""
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from seqpar import init_parallel
 from seqpar.config import load_run_config
 from seqpar.train import Trainer
 
+from run_helpers import run_overrides
+
 
 def _overrides(tmp: Path, **extra) -> list[str]:
-    tmp.mkdir(parents=True, exist_ok=True)
-    np.save(tmp / "tokens.npy", np.random.default_rng(0).integers(0, 64, size=6000).astype(np.uint16))
-    cfg = {"model.vocab_size": 64, "model.vocab_multiple": 3, "model.seq_len": 16, "model.hidden": 16,
+    return run_overrides(tmp, {"model.vocab_size": 64, "model.vocab_multiple": 3, "model.seq_len": 16, "model.hidden": 16,
            "model.heads": 4, "model.layers": 4, "model.dropout": 0.0, "model.attention_dropout": 0.0,
            "model.sequence_parallel": True, "model.recompute": "selective", "model.tie_embeddings": False,
            "train.steps": 6, "train.micro_batch": 2, "train.global_batch": 8, "train.warmup_steps": 2,
            "train.eval_interval": 5, "train.eval_batches": 2, "train.seed": 3, "train.precision": "fp32",
-           "data.source": str(tmp / "tokens.npy"), "checkpoint.dir": str(tmp / "ckpt"), "checkpoint.resume": "auto",
-           "out_dir": str(tmp / "out")}
-    cfg.update({k.replace("__", "."): v for k, v in extra.items()})
-    return [f"{k}={v}" for k, v in cfg.items()]
+           "checkpoint.resume": "auto"}, **extra)
 
 
 def _run(tmp: Path, tp: int, pp: int, save_at: int | None = None, **extra) -> dict:

@@ -9,6 +9,7 @@ from seqpar.model import GPT, GPTConfig
 from seqpar.train.precision import Precision, resolve_precision
 
 from distributed_harness import tp_group_of
+from run_helpers import random_tokens, run_overrides
 
 
 def _cfg(**kw):
@@ -104,15 +105,11 @@ def test_all_reduce_coalesced_sums_each_dtype(spawn):
 
 
 def _trainer_overrides(tmp, **kw):
-    import numpy as np
-    tokens = np.random.default_rng(0).integers(0, 256, size=20000).astype(np.uint16)
-    np.save(tmp / "tokens.npy", tokens)
-    cfg = {"model.vocab_size": 256, "model.seq_len": 32, "model.hidden": 128, "model.heads": 4, "model.layers": 2,
+    return run_overrides(tmp, {"model.vocab_size": 256, "model.seq_len": 32, "model.hidden": 128, "model.heads": 4, "model.layers": 2,
            "model.dropout": 0.1, "model.attention_dropout": 0.1, "model.sequence_parallel": True,
            "parallel.tp": 2, "train.steps": 3, "train.micro_batch": 4, "train.warmup_steps": 1,
-           "train.eval_interval": 0, "data.source": str(tmp / "tokens.npy"), "checkpoint.resume": "never",
-           "checkpoint.dir": str(tmp / "ckpt"), "out_dir": str(tmp / "out"), **kw}
-    return [f"{k}={v}" for k, v in cfg.items()]
+           "train.eval_interval": 0, **kw},
+                         tokens=random_tokens(tmp / "tokens.npy", vocab=256, size=20000))
 
 
 def _activation_lines(rank, world, tmp):
@@ -170,22 +167,31 @@ def _count_host_reads(rank, world, tmp):
                 counts[-1].append(name)
             return originals[name](self, *a, **k)
         return wrapper
+    make_tensor = torch.tensor
+
+    def copying(*a, **k):  # a tensor built from host values: on CUDA a pageable copy, which syncs
+        if "/seqpar/" in sys._getframe(1).f_code.co_filename:
+            counts[-1].append("torch.tensor")
+        return make_tensor(*a, **k)
     try:
         trainer.train_step(0)  # the first step measures activations (CPU ledger): not counted
         for n in names:
             setattr(torch.Tensor, n, counting(n))
+        torch.tensor = copying
         for step in (1, 2):
             counts.append([])
             trainer.train_step(step)
     finally:
         for n, f in originals.items():
             setattr(torch.Tensor, n, f)
+        torch.tensor = make_tensor
         trainer.close()
     return counts
 
 
 def test_a_training_step_reads_the_device_once(spawn, tmp_path):
     """No host sync per micro-batch: the loss stays on the device, clipping scales on the device;
-    the one read per step is the agreed (loss, stop, finite, grad norm)."""
+    the one read per step is the agreed (loss, stop, finite, grad norm), and no tensor is built
+    from host values (a synchronising copy on CUDA)."""
     for counts in spawn(_count_host_reads, 2, tmp_path):
         assert all(len(c) <= 1 for c in counts), counts

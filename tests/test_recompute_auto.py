@@ -223,3 +223,24 @@ def test_auto_on_the_22b_paper_config_beats_every_uniform_setting():
     assert not mem["none"].fits and mem["auto"].fits and {"none", "selective"} == set(modes)
     assert secs["auto"] < secs["selective"] < secs["full"]
 
+
+def test_the_trainer_resolves_recompute_auto_under_its_budget(tmp_path):
+    import numpy as np
+
+    from seqpar.config import load_run_config
+    from seqpar.distributed.mesh import ParallelMesh
+    from seqpar.train import Trainer
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 64, 4000).astype(np.uint16))
+    base = ["model.vocab_size=64", "model.seq_len=16", "model.hidden=16", "model.heads=2", "model.layers=4",
+            f"data.source={tmp_path / 'tokens.npy'}", "train.steps=1", "train.micro_batch=2", "train.eval_interval=0",
+            f"checkpoint.dir={tmp_path / 'ckpt'}", f"out_dir={tmp_path / 'out'}", "model.recompute=auto"]
+    trainer = Trainer(load_run_config(None, base + ["train.memory_budget_gib=80"]), mesh=ParallelMesh.single())
+    try:
+        modes = trainer.model.config.recompute_layers
+        assert modes is not None and len(modes) == 4 and set(modes) <= {"none", "selective", "full"}
+        assert modes == ("none",) * 4  # 80 GiB holds everything: nothing to recompute
+        assert np.isfinite(trainer.train_step(0).loss)
+    finally:
+        trainer.close()
+    with pytest.raises(ValueError, match=r"memory_budget_gib"):
+        load_run_config(None, base)

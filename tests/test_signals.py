@@ -56,3 +56,21 @@ def test_ctrl_c_to_one_process_saves_and_exits_0(tmp_path):
     out = log.read_text()
     assert "SIGINT received: checkpoint written at step" in out and "Traceback" not in out, out[-3000:]
     assert complete_checkpoints(tmp_path / "ckpt"), out[-3000:]
+
+
+def test_a_second_ctrl_c_aborts_at_once_and_leaves_no_rank(tmp_path):
+    proc, log = _start(tmp_path)
+    ranks = _ranks(proc.pid)
+    assert len(ranks) == 2, ranks
+    for pid in ranks:  # ranks that cannot reach their next step boundary (a hung collective, say)
+        os.kill(pid, signal.SIGSTOP)
+    proc.send_signal(signal.SIGINT)  # the first asks for a save the stopped ranks never make
+    time.sleep(1.5)
+    assert proc.poll() is None, "the first Ctrl-C alone must not end the job"
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130, log.read_text()[-3000:]
+    out = log.read_text()
+    assert "seqpar train: interrupted" in out and "Traceback" not in out, out[-3000:]
+    time.sleep(0.5)
+    assert not any(os.path.exists(f"/proc/{pid}") and "Z" not in open(f"/proc/{pid}/stat").read().split(")")[1][:3]
+                   for pid in ranks), "a rank outlived the launcher"

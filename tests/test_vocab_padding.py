@@ -8,7 +8,7 @@ from distributed_harness import rel_err, run_ranks, tp_group_of
 from gpt_helpers import batch, loss_and_dense_grads, mesh_for, tiny_config
 from seqpar.distributed.collectives import all_gather_dim
 from seqpar.layers import vocab_parallel_cross_entropy
-from seqpar.model import GPT
+from seqpar.model import GPT, GPTConfig
 from seqpar.train.generate import sample
 
 GPT2_VOCAB = 50257
@@ -107,3 +107,15 @@ def test_vocab_multiple_pads_without_changing_the_model():
     assert b.to_local({"wte.weight": torch.ones(61, 32)})["wte.weight"][61:].abs().sum() == 0
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 61\)"):
         b(torch.full((1, 4), 61))
+
+
+def test_sampling_from_a_padded_vocabulary_draws_the_unpadded_models_tokens():
+    base = dict(vocab_size=50, seq_len=16, hidden=16, heads=2, layers=1, dropout=0.0, attention_dropout=0.0)
+    plain, padded = GPT(GPTConfig(**base), seed=1), GPT(GPTConfig(**base, vocab_multiple=64), seed=1)
+    assert padded.padded_vocab == 64 and plain.padded_vocab == 50
+    for name, w in plain.dense_state_dict().items():
+        assert torch.equal(w, padded.dense_state_dict()[name]), name
+    for seed in range(3):
+        a = sample(plain, [1, 2, 3], 10, temperature=1.0, top_k=0, seed=seed)
+        b = sample(padded, [1, 2, 3], 10, temperature=1.0, top_k=0, seed=seed)
+        assert a == b and max(a) < 50

@@ -33,6 +33,10 @@ class CheckpointWriteError(CheckpointError):
     """A save that could not write one of its files."""
 
 
+class CheckpointInUse(CheckpointError, RuntimeError):
+    """A checkpoint dir another job holds (or one that cannot be locked at all)."""
+
+
 def _chain(e: BaseException):
     seen = set()
     while e is not None and id(e) not in seen:
@@ -79,5 +83,5 @@ def write_error(e: BaseException, path: str | Path) -> CheckpointWriteError | No
     return None
 
 
-__all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointMismatch", "CheckpointWriteError", "UnsafeCheckpoint",
+__all__ = ["CheckpointCorrupt", "CheckpointError", "CheckpointInUse", "CheckpointMismatch", "CheckpointWriteError", "UnsafeCheckpoint",
            "write_error"]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .errors import CheckpointWriteError, write_error
+from .errors import CheckpointInUse, CheckpointWriteError, write_error
 from .integrity import ALGORITHM, file_checksum
 from .safe_metadata import capped_repr
 
@@ -222,7 +222,7 @@ class CheckpointDir:
         self._lock_file = None  # open and flock-ed on the first rank
 
     def lock(self) -> None:
-        """Take the exclusive lock or raise ``RuntimeError`` naming the holder (host, pid, since)."""
+        """Take the exclusive lock or raise :class:`CheckpointInUse` naming the holder (host, pid, since)."""
         self.root.mkdir(parents=True, exist_ok=True)
         f = open(self.root / LOCK, "a+")
         try:
@@ -231,11 +231,11 @@ class CheckpointDir:
             f.seek(0)
             holder = f.read(400).strip() or "unknown holder"
             f.close()
-            raise RuntimeError(f"checkpoint dir {self.root} is in use by another job ({holder}); two jobs must "
+            raise CheckpointInUse(f"checkpoint dir {self.root} is in use by another job ({holder}); two jobs must "
                                f"not share checkpoint.dir: give this one its own or stop the other") from None
         except OSError as e:
             f.close()
-            raise RuntimeError(f"cannot lock checkpoint dir {self.root} ({e}); multi-node runs need a shared "
+            raise CheckpointInUse(f"cannot lock checkpoint dir {self.root} ({e}); multi-node runs need a shared "
                                f"filesystem with flock support for checkpoint.dir") from e
         f.seek(0)
         f.truncate()
@@ -278,7 +278,7 @@ def open_checkpoint_dir(root: str | Path, is_first: bool) -> CheckpointDir:
     """Claim ``root`` for this job; call on every rank at start-up (a collective when distributed).
     The first rank (global rank 0) creates ``root``, takes an exclusive ``flock`` on ``root/.lock``
     held until :meth:`CheckpointDir.close`, and cleans up after crashed saves (:func:`_clean`). If
-    another job holds the lock, every rank raises ``RuntimeError`` naming it (host, pid)."""
+    another job holds the lock, every rank raises :class:`CheckpointInUse` naming it (host, pid)."""
     handle, error = CheckpointDir(Path(root)), None
     if is_first:
         try:
@@ -293,7 +293,7 @@ def open_checkpoint_dir(root: str | Path, is_first: bool) -> CheckpointDir:
         failed = next((m for m in messages if m is not None), None)
         if failed is not None and error is None:
             handle.close()
-            raise RuntimeError(failed)
+            raise CheckpointInUse(failed)
     if error is not None:
         raise error
     return handle

@@ -60,6 +60,9 @@ class ParallelConfig:
     # fsdp: free the gathered parameters after each block's forward and gather them again for its
     # backward (ZeRO-3-like, least memory) or keep them until backward (ZeRO-2-like, fewer gathers)
     reshard_after_forward: bool = True
+    # ddp with the bf16 recipe: the fp32 gradients are all-reduced over dp in buckets of about this
+    # many MiB, each launched as soon as backward has produced all of its gradients
+    bucket_mib: float = 25.0
     # pipeline schedule: None = "1F1B" when virtual_stages is 1, else "Interleaved1F1B"; "GPipe"
     # (all forwards, then all backwards) for comparison
     pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] | None = None
@@ -68,6 +71,7 @@ class ParallelConfig:
         for name in ("tp", "dp", "pp", "virtual_stages"):
             check_at_least(f"parallel.{name}", getattr(self, name), 1)
         check_number("parallel.timeout_minutes", self.timeout_minutes, "> 0")
+        check_number("parallel.bucket_mib", self.bucket_mib, "> 0")
         if self.data_parallel is not None:
             check_choice("parallel.data_parallel", self.data_parallel, DATA_PARALLEL_MODES)
         if self.pp_schedule is not None:

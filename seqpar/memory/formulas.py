@@ -88,6 +88,14 @@ def _check(technique: str, **dims: int) -> None:
     _check_dims(**dims)
 
 
+def _held(technique: Technique, kv_heads: int | None, t: int) -> int | None:
+    """The key/value heads the ``t`` ranks of a TP technique hold together: ``g``, or ``t`` when
+    ``g < t`` (one head per rank, replicated over the ``t / g`` ranks that share it)."""
+    if kv_heads is None or technique in ("none", "full"):
+        return kv_heads
+    return max(kv_heads, t)
+
+
 def activation_breakdown(technique: Technique, *, s: int, b: int, h: int, a: int, t: int = 1,
                          kv_heads: int | None = None, ffn_hidden: int | None = None,
                          mlp: Mlp = "gelu") -> dict[str, Number]:
@@ -102,7 +110,7 @@ def activation_breakdown(technique: Technique, *, s: int, b: int, h: int, a: int
     """
     _check(technique, s=s, b=b, h=h, a=a, t=t)
     sbh = s * b * h
-    layer = _sbh_terms(h, a, kv_heads, ffn_hidden, mlp)
+    layer = _sbh_terms(h, a, _held(technique, kv_heads, t), ffn_hidden, mlp)
     if technique == "full":
         return {"layer_input": 2 * sbh}
     tt = 1 if technique == "none" else t
@@ -138,7 +146,7 @@ def bytes_per_layer(technique: Technique, *, s: int, b: int, h: int, a: int, t: 
     ``ffn_hidden`` or ``mlp="swiglu"``, 24 becomes :func:`split_coefficient` ``c`` and 34 ``10 + c``.
     """
     _check(technique, s=s, b=b, h=h, a=a, t=t)
-    c = split_coefficient(h=h, a=a, kv_heads=kv_heads, ffn_hidden=ffn_hidden, mlp=mlp)
+    c = split_coefficient(h=h, a=a, kv_heads=_held(technique, kv_heads, t), ffn_hidden=ffn_hidden, mlp=mlp)
     return _out(_per_layer(technique, s, b, h, a, t, c))
 
 
@@ -146,8 +154,9 @@ def ratio_to_tp(technique: Technique, *, s: int, b: int, h: int, a: int, t: int,
                 ffn_hidden: int | None = None, mlp: Mlp = "gelu") -> float:
     """Per-layer bytes of ``technique`` over the TP baseline (Figure 7's bars, as a fraction)."""
     _check(technique, s=s, b=b, h=h, a=a, t=t)
-    c = split_coefficient(h=h, a=a, kv_heads=kv_heads, ffn_hidden=ffn_hidden, mlp=mlp)
-    return float(_per_layer(technique, s, b, h, a, t, c) / _per_layer("tp", s, b, h, a, t, c))
+    c, tp = (split_coefficient(h=h, a=a, kv_heads=_held(x, kv_heads, t), ffn_hidden=ffn_hidden, mlp=mlp)
+             for x in (technique, "tp"))
+    return float(_per_layer(technique, s, b, h, a, t, c) / _per_layer("tp", s, b, h, a, t, tp))
 
 
 def attention_score_share(*, s: int, h: int, a: int) -> float:
@@ -252,7 +261,8 @@ def per_gpu_bytes(shape: ModelShape, technique: Technique) -> Number:
     The §4.3 terms outside the layers are left out, as for the paper's Figure 1 and Figure 7.
     """
     _check(technique, s=shape.s, b=shape.b, h=shape.h, a=shape.a, t=shape.t)
-    c = split_coefficient(h=shape.h, a=shape.a, kv_heads=shape.g, ffn_hidden=shape.f, mlp=shape.mlp)
+    c = split_coefficient(h=shape.h, a=shape.a, kv_heads=_held(technique, shape.g, shape.t), ffn_hidden=shape.f,
+                          mlp=shape.mlp)
     per_layer = _per_layer(technique, shape.s, shape.b, shape.h, shape.a, shape.t, c)
     return _out(per_layer * shape.L * _interleave(shape.p, shape.m))
 

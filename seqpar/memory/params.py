@@ -12,9 +12,10 @@ from __future__ import annotations
 from ..model.config import GPTConfig
 
 
-def qkv_width(model: GPTConfig) -> int:
-    """Output columns of the fused QKV projection, all TP ranks together: h + 2 g d."""
-    return model.hidden + 2 * model.num_kv_heads * model.head_dim
+def qkv_width(model: GPTConfig, t: int = 1) -> int:
+    """Output columns of the fused QKV projection, all ``t`` TP ranks together: h + 2 g d, with
+    g the key/value heads they hold (:meth:`GPTConfig.held_kv_heads`: t when g < t)."""
+    return model.hidden + 2 * model.held_kv_heads(t) * model.head_dim
 
 
 def fc1_width(model: GPTConfig) -> int:
@@ -30,7 +31,7 @@ def norm_params(model: GPTConfig) -> int:
 def layer_params(model: GPTConfig, t: int) -> int:
     """Parameters of one transformer layer held by one TP rank."""
     h, f = model.hidden, model.ffn_hidden
-    qkv, fc1 = qkv_width(model), fc1_width(model)
+    qkv, fc1 = qkv_width(model, t), fc1_width(model)
     weights = (h * qkv + h * h + h * fc1 + f * h) // t
     biases = (qkv + fc1) // t + 2 * h if model.bias else 0  # column biases split, row biases whole
     return weights + biases + 2 * norm_params(model)

@@ -68,7 +68,7 @@ def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: 
     rep = t if cfg.sequence_parallel else 1  # the terms plain TP leaves replicated: SP splits them too
     u = Fraction(act, 2)  # Table 2 counts 2-byte activations
     terms: dict[str, Fraction] = {}
-    for name, (k, shard) in _sbh_terms(cfg.hidden, cfg.heads, cfg.num_kv_heads, cfg.ffn_hidden, cfg.mlp).items():
+    for name, (k, shard) in _sbh_terms(cfg.hidden, cfg.heads, cfg.held_kv_heads(t), cfg.ffn_hidden, cfg.mlp).items():
         if name.endswith("dropout_mask"):
             if cfg.dropout > 0:
                 terms[name] = k * sbh / rep

@@ -99,6 +99,11 @@ class GPTConfig:
         """g: key/value heads (``heads`` unless grouped-query attention)."""
         return self.heads if self.kv_heads is None else self.kv_heads
 
+    def held_kv_heads(self, t: int) -> int:
+        """Key/value heads the ``t`` TP ranks hold together: ``g`` when ``t`` divides ``g``, else ``t``
+        (each rank then holds one head, replicated over the ``t / g`` ranks whose queries use it)."""
+        return max(self.num_kv_heads, t)
+
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]

@@ -3,8 +3,9 @@
 
 Per optimizer step the Trainer asks, in order: :meth:`DataParallel.micro_batch` around each
 micro-batch's forward and backward (DDP's ``no_sync`` / FSDP's deferred reduce-scatter before
-the last one), :meth:`DataParallel.after_backward` (the bf16 recipe's fp32 dp all-reduce under
-ddp; the SP-replicated gradients summed over TP), then :meth:`DataParallel.clip` (the one global
+the last one), :meth:`DataParallel.after_backward` (waiting for the bf16 recipe's fp32 dp
+all-reduce under ddp, launched bucket by bucket during the last backward by
+:class:`~seqpar.parallel.grad_buckets.GradBuckets`; the SP-replicated gradients summed over TP), then :meth:`DataParallel.clip` (the one global
 norm of :func:`seqpar.parallel.grads.clip_grad_norm`).
 """
 from __future__ import annotations
@@ -15,12 +16,12 @@ from contextlib import AbstractContextManager
 import torch
 import torch.nn as nn
 
-from ..distributed.collectives import all_reduce_coalesced
 from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh
 from ..sharding import local_tensor
 from ..model.modes import DATA_PARALLEL_MODES
 from .fsdp import apply_fsdp, set_micro_batch, sync_sharded_sp_grads
+from .grad_buckets import DEFAULT_BUCKET_MIB, GradBuckets
 from .grads import clip_grad_norm
 
 
@@ -30,25 +31,37 @@ class DataParallel:
     (under fsdp, DTensors holding this rank's shard)."""
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, mode: str, *, precision: str = "fp32",
-                 master_weights: bool = False, reshard_after_forward: bool = True):
+                 master_weights: bool = False, reshard_after_forward: bool = True,
+                 bucket_mib: float = DEFAULT_BUCKET_MIB):
         if mode not in DATA_PARALLEL_MODES:
             raise ValueError(f"parallel.data_parallel must be one of {list(DATA_PARALLEL_MODES)}, got {mode!r}")
         self.model, self.mesh, self.mode = model, mesh, mode
         self.sharded = mode == "fsdp" and mesh.dp_size > 1
         self.master_weights = master_weights  # ddp + the bf16 recipe: fp32 grads reduced here
+        self.buckets = None  # ddp + the bf16 recipe: GradBuckets, reduced while backward runs
         if self.sharded:
             self.module = apply_fsdp(model, mesh.dp_mesh, reshard_after_forward=reshard_after_forward,
                                      precision=precision)
-        elif mesh.dp_size > 1 and not master_weights:
+        elif mesh.dp_size > 1 and master_weights:
+            self.module, self.buckets = model, GradBuckets(model, mesh.dp_group, bucket_mib)
+        elif mesh.dp_size > 1:
             from torch.nn.parallel import DistributedDataParallel
             kwargs = {"broadcast_buffers": False} if any(True for _ in model.buffers()) else {}
             self.module = DistributedDataParallel(model, process_group=mesh.dp_group, **kwargs)
         else:
             self.module = model
 
+    def begin_step(self, weights: dict[str, torch.Tensor] | None) -> None:
+        """Before an optimizer step's first micro-batch, with its compute ``weights`` (the bf16 copies;
+        None in other precisions): the gradient buckets take over accumulating into the masters."""
+        if self.buckets is not None and weights is not None:
+            self.buckets.begin(weights)
+
     def micro_batch(self, micro: int, accum: int) -> AbstractContextManager:
         """Around micro-batch ``micro`` of ``accum``: gradients are reduced over dp on the last only."""
         last = micro == accum - 1
+        if self.buckets is not None and last:
+            self.buckets.last_micro_batch()
         if self.sharded:
             set_micro_batch(self.model, last)
             return contextlib.nullcontext()
@@ -61,9 +74,8 @@ class DataParallel:
         averaged over dp (ddp), then SP-replicated gradients summed over TP (on the dp shards
         under fsdp)."""
         tp = self.mesh.tp_group
-        if self.master_weights and not self.sharded:
-            all_reduce_coalesced([p.grad for p in self.model.parameters() if p.grad is not None],
-                                 self.mesh.dp_group, mean=True)
+        if self.buckets is not None:
+            self.buckets.finish()
         if self.sharded:
             sync_sharded_sp_grads(self.model, tp)
         else:

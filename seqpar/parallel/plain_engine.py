@@ -2,8 +2,8 @@
 
 Per optimizer step: each micro-batch's forward and backward in the run's precision (loss scaled
 by 1/accum; DDP's ``no_sync`` / FSDP's deferred reduce-scatter before the last), then
-:meth:`DataParallel.after_backward` (the bf16 recipe's fp32 dp all-reduce under ddp; SP grads
-summed over TP). The clip is :func:`seqpar.parallel.grads.clip_grad_norm` over tp and dp.
+:meth:`DataParallel.after_backward` (the bf16 recipe's fp32 dp all-reduce under ddp, bucket by
+bucket under the last backward; SP grads summed over TP). The clip is :func:`seqpar.parallel.grads.clip_grad_norm` over tp and dp.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ class PlainEngine(StepEngine):
         mode = cfg.parallel.data_parallel_mode(mesh.dp_size)
         self.data_parallel = DataParallel(self.model, mesh, mode, precision=precision.name,
                                           master_weights=precision.master_weights,
-                                          reshard_after_forward=cfg.parallel.reshard_after_forward)
+                                          reshard_after_forward=cfg.parallel.reshard_after_forward,
+                                          bucket_mib=cfg.parallel.bucket_mib)
         self.module, self.parts, self.full_model = self.model, [self.model], self.model
         self.probe = probe(self.model, mesh.device) if probe is not None else None
 
@@ -42,6 +43,7 @@ class PlainEngine(StepEngine):
         grads added into the fp32 masters and reduced over dp in fp32 afterwards."""
         prec, dp = self.precision, self.data_parallel
         weights = prec.compute_weights(self.model)  # bf16 copies, once per optimizer step (bf16 only)
+        dp.begin_step(weights)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         for micro, (tokens, labels) in enumerate(micro_batches):
             with dp.micro_batch(micro, self.accum), prec.weights_in(self.model, weights):

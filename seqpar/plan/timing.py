@@ -110,7 +110,7 @@ def layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str = "bf
 def _layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str) -> LayerTimes:
     s, b, h, t, f = model.seq_len, layout.micro_batch, model.hidden, layout.tp, model.ffn_hidden
     sb, ps = s * b, _peak_scale(gpu, precision)
-    qkv = gemm_fwd_bwd(gpu, sb, qkv_width(model) // t, h, 1, ps)
+    qkv = gemm_fwd_bwd(gpu, sb, qkv_width(model, t) // t, h, 1, ps)
     proj = gemm_fwd_bwd(gpu, sb, h, h // t, 1, ps)
     fc1, fc2 = gemm_fwd_bwd(gpu, sb, fc1_width(model) // t, h, 1, ps), gemm_fwd_bwd(gpu, sb, h, f // t, 1, ps)
     heads, d = model.heads * b // t, model.head_dim

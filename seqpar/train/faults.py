@@ -62,13 +62,14 @@ def check_finite_weights(model: nn.Module, step: int) -> None:
     """Raise ``FloatingPointError`` on every rank when any rank's weights hold NaN/inf, naming this
     rank's offending parameters. One all-reduce over the world; call on every rank before saving."""
     params = [(n, local_tensor(p.detach())) for n, p in model.named_parameters()]  # FSDP: this rank's shard
-    finite = torch.stack([torch.isfinite(p).all() for _, p in params]) if params else torch.ones(0)
-    bad = [n for (n, _), ok in zip(params, finite.tolist()) if not ok]
     device = params[0][1].device if params else torch.device("cpu")  # the mesh's device (CUDA: NCCL)
-    count = torch.tensor([float(len(bad))], dtype=torch.float64, device=device)
+    finite = torch.stack([torch.isfinite(p).all() for _, p in params]) if params else torch.ones(0, device=device)
+    count = (~finite.bool()).sum(dtype=torch.float64).view(1)  # built on the device: no host copy
     if dist.is_initialized():
         dist.all_reduce(count)
-    if count.item() > 0:
+    total, *oks = torch.cat([count, finite.double()]).tolist()  # one host read
+    bad = [n for (n, _), ok in zip(params, oks) if not ok]
+    if total > 0:
         where = "on another rank"
         if bad:
             where = "here: " + ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else "")

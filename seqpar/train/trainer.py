@@ -206,7 +206,7 @@ class Trainer:
         is finite on every rank. Returns ``(loss, stop, finite, grad_norm)``, identical on all ranks."""
         device = loss_sum.device
         norm = torch.zeros((), device=device) if grad_norm is None else grad_norm.detach().to(device)
-        flag = torch.stack([loss_sum.double(), torch.tensor(float(stop), dtype=torch.float64, device=device),
+        flag = torch.stack([loss_sum.double(), torch.full((), float(stop), dtype=torch.float64, device=device),
                             (~torch.isfinite(norm)).double()])
         if dist.is_initialized():
             dist.all_reduce(flag)

@@ -18,17 +18,15 @@ from seqpar.train import StepMetrics, Trainer
 from seqpar.train.metrics import Throughput
 from seqpar.train.optim import lr_at
 
+from run_helpers import random_tokens, run_overrides
+
 
 def _overrides(tmp) -> list[str]:
-    tokens = np.random.default_rng(0).integers(0, 64, size=6000).astype(np.uint16)
-    np.save(tmp / "tokens.npy", tokens)
-    cfg = {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 2, "model.layers": 1,
+    return run_overrides(tmp, {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 2, "model.layers": 1,
            "model.dropout": 0.1, "model.attention_dropout": 0.1, "model.sequence_parallel": True,
            "model.recompute": "selective", "parallel.tp": 2, "train.steps": 10, "train.micro_batch": 2,
            "train.global_batch": 4, "train.warmup_steps": 2, "train.eval_interval": 100, "train.eval_batches": 1,
-           "train.seed": 3, "data.source": str(tmp / "tokens.npy"), "checkpoint.dir": str(tmp / "ckpt"),
-           "checkpoint.resume": "auto", "out_dir": str(tmp / "out")}
-    return [f"{k}={v}" for k, v in cfg.items()]
+           "train.seed": 3, "checkpoint.resume": "auto"})
 
 
 def _exercise(rank, world, overrides):
@@ -93,13 +91,11 @@ def test_throughput_window_means_the_steps_since_the_last_report():
 # ---- a step's data: one global batch, however it is split --------------------------------------
 
 def _split_overrides(tmp, micro_batch: int, dp: int) -> list[str]:
-    cfg = {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 2, "model.layers": 1,
+    return run_overrides(tmp, {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 2, "model.layers": 1,
            "model.dropout": 0.0, "model.attention_dropout": 0.0, "model.sequence_parallel": False,
            "model.recompute": "none", "train.steps": 5, "train.micro_batch": micro_batch, "train.global_batch": 8,
-           "train.lr": 3e-3, "train.warmup_steps": 2, "train.eval_interval": 0, "train.seed": 11,
-           "data.source": str(tmp / "tokens.npy"), "checkpoint.dir": str(tmp / "ckpt"),
-           "checkpoint.resume": "never", "out_dir": str(tmp / f"out-{micro_batch}x{dp}")}
-    return [f"{k}={v}" for k, v in cfg.items()]
+           "train.lr": 3e-3, "train.warmup_steps": 2, "train.eval_interval": 0, "train.seed": 11},
+                         tokens=tmp / "tokens.npy", out=f"out-{micro_batch}x{dp}")
 
 
 def _whole(grad: torch.Tensor) -> torch.Tensor:
@@ -129,7 +125,7 @@ def _run_splits(rank, world, tmp, micro_batches):
 def test_a_step_trains_on_its_global_batch_however_it_is_split(spawn, tmp_path):
     """micro_batch x accumulation x dp in {8x1x1, 4x2x1, 2x2x2, 1x4x2}: same grads, grad norms and losses.
     The grads after k accumulated micro-batches equal one full-batch pass (loss scaled by 1/k)."""
-    np.save(tmp_path / "tokens.npy", np.random.default_rng(1).integers(0, 64, size=4000).astype(np.uint16))
+    random_tokens(tmp_path / "tokens.npy", size=4000, seed=1)
     one = _run_splits(0, 1, tmp_path, (8, 4))
     two = spawn(_run_splits, 2, tmp_path, (2, 1))
     runs = {"8x1x1": one[8], "4x2x1": one[4], "2x2x2": two[0][2], "1x4x2": two[0][1], "1x4x2 rank 1": two[1][1]}

@@ -1,0 +1,54 @@
+"""Tiny training runs for tests: a token file under the test's folder and the overrides that point
+a run's data, checkpoints and outputs there. Each test states the model and training settings it
+needs; this module only does the plumbing they share."""
+from pathlib import Path
+
+import numpy as np
+
+
+def random_tokens(path: Path, vocab: int = 64, size: int = 6000, seed: int = 0) -> Path:
+    """``size`` uniform token ids below ``vocab`` saved as ``.npy`` (written once per path)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        np.save(path, np.random.default_rng(seed).integers(0, vocab, size=size).astype(np.uint16))
+    return path
+
+
+def phrase_tokens(path: Path, vocab: int = 128, phrases: int = 6, length: int = 12, repeats: int = 4000) -> Path:
+    """A learnable stream: random repetitions of a few fixed phrases (a loss that visibly falls)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        rng = np.random.default_rng(0)
+        table = [rng.integers(0, vocab, size=length) for _ in range(phrases)]
+        np.save(path, np.concatenate([table[i] for i in rng.integers(0, phrases, size=repeats)]).astype(np.uint16))
+    return path
+
+
+def run_overrides(tmp: Path, settings: dict, tokens: Path | None = None, out: str = "out", **extra) -> list[str]:
+    """``key=value`` overrides: ``settings``, then ``extra`` (``a__b`` means ``a.b``), with the data
+    source (default: ``random_tokens(tmp / "tokens.npy")``), ``checkpoint.dir`` and ``out_dir`` in ``tmp``."""
+    cfg = {"data.source": str(tokens if tokens is not None else random_tokens(tmp / "tokens.npy")),
+           "checkpoint.dir": str(tmp / "ckpt"), "checkpoint.resume": "never", "out_dir": str(tmp / out)}
+    cfg.update(settings)
+    cfg.update({k.replace("__", "."): v for k, v in extra.items()})
+    return [f"{k}={v}" for k, v in cfg.items()]
+
+
+# a run whose loss visibly falls in 20 steps: the end-to-end training and resume tests
+LEARNABLE_RUN = {"model.vocab_size": 128, "model.seq_len": 32, "model.hidden": 32, "model.heads": 4,
+                 "model.layers": 2, "model.dropout": 0.0, "model.attention_dropout": 0.0,
+                 "train.steps": 20, "train.micro_batch": 4, "train.lr": 3e-3, "train.warmup_steps": 3,
+                 "train.log_interval": 5, "train.eval_interval": 0, "train.seed": 7, "checkpoint.interval": 0}
+
+
+def learnable_overrides(tmp: Path, **settings) -> list[str]:
+    """LEARNABLE_RUN on ``phrase_tokens``, with ``settings`` (dotted keys) on top."""
+    return run_overrides(tmp, {**LEARNABLE_RUN, **settings}, tokens=phrase_tokens(tmp / "tokens.npy"))
+
+
+def train_rank(rank, world, overrides, tp, dp):
+    """One rank of ``seqpar.train.train`` on a tp x dp mesh (for ``spawn``)."""
+    from seqpar import init_parallel
+    from seqpar.config import load_run_config
+    from seqpar.train import train
+    return train(load_run_config(None, overrides), mesh=init_parallel(tp=tp, dp=dp))
