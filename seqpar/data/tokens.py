@@ -35,7 +35,6 @@ class TokenStream:
                  sep: np.ndarray, eot: int | None, window: tuple[int, int] | None = None):
         self.bases, self._base, self._lo, self._sep, self.eot = bases, base, lo, sep.astype(bool), eot
         self._start = np.concatenate([[0], np.cumsum(hi - lo + self._sep)]).astype(np.int64)
-        self._hi = hi
         self.window = window or (0, int(self._start[-1]))
         kinds = [b.dtype for b in bases] + ([np.min_scalar_type(eot)] if eot is not None and sep.any() else [])
         self.dtype = np.result_type(*kinds)
