@@ -89,6 +89,10 @@ VALID: dict[str, st.SearchStrategy] = {
     "parallel.pp_schedule": st.sampled_from([None, "1F1B", "Interleaved1F1B", "GPipe"]),
     "data.source": NONE_OR_TEXT, "data.max_bytes": st.integers(1, 2**50),
     "data.eval_fraction": _floats(0.0, 1.0, exclude_min=True, exclude_max=True), "data.cache_dir": NONE_OR_TEXT,
+    "data.sources": st.lists(st.fixed_dictionaries({"source": st.sampled_from(["a/", "b.bin"]),
+                                                    "weight": _floats(1e-3, 1e3)}), max_size=2),
+    "data.tokenizer": NONE_OR_TEXT, "data.eot_id": st.none() | st.integers(0, 2**31), "data.workers": st.integers(1, 64),
+    "data.document_masking": st.just(False),  # true is refused: not supported yet
     "train.steps": st.integers(1, 10**7), "train.micro_batch": st.integers(1, 1024),
     "train.global_batch": st.none() | st.integers(1, 10**6), "train.lr": _floats(1e-3, 10.0),
     "train.min_lr": _floats(0.0, 1e-3), "train.warmup_steps": st.integers(0, 10**6),
@@ -123,6 +127,8 @@ def valid_values(draw) -> dict[str, Any]:
         values["model.activation"] = "gelu"  # SwiGLU has its own activation
     if values.get("model.recompute") == "auto" and values.get("train.memory_budget_gib") is None:
         values["train.memory_budget_gib"] = 80.0  # auto chooses under a budget
+    if values.get("data.sources"):
+        values.pop("data.source", None)  # a blend or one source, not both
     modes = values.get("model.recompute_layers")
     if modes is not None:  # one mode per layer
         layers = values.get("model.layers", 12)
@@ -146,6 +152,9 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy] = {
     "parallel.timeout_minutes": st.floats(max_value=0.0) | NONFINITE,
     "parallel.bucket_mib": st.floats(max_value=0.0) | NONFINITE,
     "data.max_bytes": BELOW[1], "data.eval_fraction": st.floats(max_value=0.0) | st.floats(min_value=1.0) | NONFINITE,
+    "data.workers": BELOW[1], "data.eot_id": BELOW[0], "data.document_masking": st.just(True),
+    "data.sources": st.lists(st.fixed_dictionaries({"source": st.just("a/"), "weight": st.floats(max_value=0.0)
+                                                    | NONFINITE}), min_size=1, max_size=2),
     **{f"train.{k}": BELOW[1] for k in ("steps", "micro_batch", "global_batch", "log_interval", "eval_batches",
                                          "threads_per_rank")},
     "train.warmup_steps": BELOW[0], "train.eval_interval": BELOW[0],

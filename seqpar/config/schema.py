@@ -86,15 +86,40 @@ class ParallelConfig:
 
 
 @dataclass
+class BlendSource:
+    source: str                  # any data.source form (text, datasets files, token files, Megatron)
+    weight: float = 1.0          # share of the sequences drawn from it (normalised over the blend)
+
+
+@dataclass
 class DataConfig:
-    source: str | None = None    # text file, directory, token file (.bin/.npy); None = Python's stdlib sources
-    max_bytes: int = 8_000_000   # cap on the text read for the default corpus
-    eval_fraction: float = 0.05  # tail of the token stream held out for eval
+    source: str | None = None    # text file or folder, datasets file(s) (.jsonl/.parquet/.arrow), token file
+    #                              (.bin/.npy) or folder of shards, Megatron prefix (.bin+.idx); None = Python's stdlib
+    sources: list[BlendSource] = field(default_factory=list)  # a blend [{source, weight}, ...] instead of source
+    max_bytes: int = 8_000_000   # cap on the text read from a text source (raise it for a real corpus)
+    eval_fraction: float = 0.05  # tail of the token stream held out for eval (of each source in a blend)
     cache_dir: str | None = None # tokenizer + token cache; None = $SEQPAR_CACHE or ~/.cache/seqpar
+    # tokenizer.json or a local Hugging Face model folder that encodes text sources; None = the
+    # tokenizer of the checkpoint being resumed when it was given or imported, else a BPE trained on the text
+    tokenizer: str | None = None
+    eot_id: int | None = None    # id placed between documents; None = the tokenizer's end-of-text/eos token
+    text_field: str = "text"     # the column of datasets files that holds each record's text
+    workers: int = 1             # tokenizer processes per rank while a text cache is built
+    # keep attention inside each document (packed sequences are separated by end-of-text only): not supported yet
+    document_masking: bool = False
 
     def validate(self) -> None:
         check_at_least("data.max_bytes", self.max_bytes, 1)
+        check_at_least("data.workers", self.workers, 1)
+        check_at_least("data.eot_id", self.eot_id, 0)
         check_number("data.eval_fraction", self.eval_fraction, "in (0, 1)")
+        if self.sources and self.source is not None:
+            raise ValueError(f"set data.source={self.source!r} or data.sources (a blend), not both")
+        for i, part in enumerate(self.sources):
+            check_number(f"data.sources[{i}].weight ({part.source!r})", part.weight, "> 0")
+        if self.document_masking:
+            raise ValueError("data.document_masking=true (attention kept inside each document) is not supported "
+                             "yet; sequences are packed across documents, separated by the end-of-text id")
 
 
 @dataclass

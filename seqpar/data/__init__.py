@@ -1,14 +1,22 @@
 """Training data: documents -> tokenizer -> a verified token cache -> each step's batches.
 
-    corpus.py   sources (text files, folders, token files), the local BPE, ``Corpus``
-    cache.py    the verified, atomically written token cache and its lock
-    batches.py  a step's batch cut from its global batch (dp- and micro-batch-invariant), eval batches
-    streams.py  a run's training streams, held-out batches and tokenizer attachment from its config
+    corpus.py     sources (text, datasets files, token files and folders, Megatron datasets), ``Corpus``
+    text.py       a text source's documents in pieces another process can read
+    records.py    Hugging Face datasets files (jsonl, parquet, arrow) as text (the ``data`` extra)
+    tokenizer.py  tokenizers users bring (data.tokenizer, a checkpoint's), their end-of-text id
+    cache.py      the verified, atomically written token cache, its lock and the local BPE
+    shards.py     a large cache encoded in shards by every rank and worker, resumable
+    tokens.py     token sources read in place: shard folders, Megatron .bin/.idx
+    batches.py    a step's batch cut from its global batch (dp- and micro-batch-invariant), eval batches
+    blend.py      several sources mixed by weight (data.sources)
+    streams.py    a run's corpus, training streams, held-out batches and tokenizer attachment from its config
+    errors.py     DataError / TokenizerError: bad input named with the file or key and the value
 """
 from .batches import Batch, TokenBatches, eval_batches
-from .cache import EOT, Document
+from .cache import EOT
 from .corpus import Corpus, default_cache_dir, list_documents, open_corpus, prepare_corpus
 from .streams import data_streams, load_corpus, tokenizer_attachment
+from .text import Document
 
 __all__ = ["EOT", "Batch", "Corpus", "Document", "TokenBatches", "data_streams", "default_cache_dir", "eval_batches",
            "list_documents", "load_corpus", "open_corpus", "prepare_corpus", "tokenizer_attachment"]

@@ -14,12 +14,13 @@ import json
 import os
 import uuid
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
+
+from .text import TextInput
 
 EOT = "<|endoftext|>"
 CHUNK = 1 << 24  # bytes read at a time when verifying (a multiple of every id size)
@@ -29,22 +30,6 @@ Log = Callable[[str], None]
 def token_dtype(vocab_size: int) -> np.dtype:
     """``uint16`` when every id fits (vocab <= 65535), else ``uint32``."""
     return np.dtype(np.uint16 if vocab_size <= 65535 else np.uint32)
-
-
-@dataclass(frozen=True)
-class Document:
-    """One input file of a text corpus, as listed (and fingerprinted) before reading."""
-
-    path: Path
-    nbytes: int  # bytes read from the start of the file (the last file may be cut by the cap)
-    size: int
-    mtime_ns: int
-
-
-def read_document(doc: Document) -> str:
-    """The listed prefix of ``doc`` as text (undecodable bytes replaced)."""
-    with open(doc.path, "rb") as f:
-        return f.read(doc.nbytes).decode("utf-8", errors="replace")  # a cut may split a character
 
 
 def _fsync(path: Path) -> None:
@@ -101,40 +86,43 @@ def file_digest(path: Path, dtype: np.dtype | None = None) -> dict | None:
 
 def cache_problem(folder: Path, fp: str, vocab_size: int) -> tuple[dict | None, str | None]:
     """``(meta, None)`` when ``folder`` holds a complete cache of fingerprint ``fp`` whose ids all
-    lie below ``vocab_size``; else ``(None, what is wrong)``. Reads every byte of both files."""
+    lie below ``vocab_size``; else ``(None, what is wrong)``. Reads every byte of every file."""
     meta_path = folder / "meta.json"
     if not meta_path.is_file():
         return None, f"{meta_path} is missing"
     try:
         meta = json.loads(meta_path.read_text())
         dtype, n, files = np.dtype(meta["dtype"]), int(meta["tokens"]), meta["files"]
+        shards = [str(name) for name in meta.get("shards", ["tokens.bin"])]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return None, f"{meta_path} is unreadable or incomplete ({type(e).__name__}: {str(e)[:200]})"
     if meta.get("fingerprint") != fp:
         return None, f"{meta_path} describes other inputs"
-    for name in ("tokenizer.json", "tokens.bin"):  # tokens last: ``got`` then describes them
+    nbytes = 0
+    for name in ("tokenizer.json", *shards):
         want = files.get(name) if isinstance(files, dict) else None
-        got = file_digest(folder / name, dtype if name == "tokens.bin" else None)
+        got = file_digest(folder / name, dtype if name != "tokenizer.json" else None)
         if got is None or not isinstance(want, dict):
             return None, f"{folder / name} is missing or not recorded in meta.json"
         if got["bytes"] != want.get("bytes"):
             return None, f"{folder / name} has {got['bytes']} bytes, meta.json records {want.get('bytes')}"
         if got["sha256"] != want.get("sha256"):
             return None, f"{folder / name} does not match the SHA-256 recorded in meta.json"
-    if got["bytes"] != n * dtype.itemsize:
-        return None, f"{meta_path} records {n} tokens of {dtype.name} but tokens.bin has {got['bytes']} bytes"
-    if got["max_id"] >= vocab_size:
-        return None, (f"{folder / 'tokens.bin'} holds id {got['max_id']}, outside the vocabulary "
-                      f"[0, {vocab_size})")
+        if name != "tokenizer.json":
+            nbytes += got["bytes"]
+            if got["max_id"] >= vocab_size:
+                return None, f"{folder / name} holds id {got['max_id']}, outside the vocabulary [0, {vocab_size})"
+    if nbytes != n * dtype.itemsize:
+        return None, f"{meta_path} records {n} tokens of {dtype.name} but the token files have {nbytes} bytes"
     return meta, None
 
 
-def _train_tokenizer(docs: list[Document], vocab_size: int, out: Path, log: Log) -> Tokenizer:
-    log(f"data: training byte-level BPE (vocab {vocab_size}) on {len(docs)} files, "
-        f"{sum(d.nbytes for d in docs) / 1e6:.1f} MB")
+def _train_tokenizer(text: TextInput, vocab_size: int, out: Path, log: Log) -> Tokenizer:
+    log(f"data: training byte-level BPE (vocab {vocab_size}) on {text.documents} documents, "
+        f"{text.nbytes / 1e6:.1f} MB")
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator((read_document(d) for d in docs), vocab_size=vocab_size, min_frequency=2,
-                            special_tokens=[EOT], show_progress=False, length=len(docs))
+    bpe.train_from_iterator((t for batch in text.batches() for t in batch), vocab_size=vocab_size, min_frequency=2,
+                            special_tokens=[EOT], show_progress=False, length=text.documents)
     atomic_write(out, lambda tmp: bpe.save(str(tmp)))
     log(f"data: tokenizer with {bpe.get_vocab_size()} tokens saved to {out}")
     return Tokenizer.from_file(str(out))
@@ -161,36 +149,12 @@ def _reusable_tokenizer(folder: Path, log: Log) -> Tokenizer | None:
     return tok
 
 
-def _encode_corpus(docs: list[Document], tok: Tokenizer, dtype: np.dtype, out: Path, log: Log,
-                   chunk: int = 256) -> int:
-    eot, total, done = tok.token_to_id(EOT), 0, 0
-
-    def write(tmp: Path) -> None:
-        nonlocal total, done
-        with open(tmp, "wb") as f:
-            for start in range(0, len(docs), chunk):
-                batch = docs[start:start + chunk]
-                for i, enc in enumerate(tok.encode_batch([read_document(d) for d in batch])):
-                    ids = enc.ids if start + i == 0 else [eot, *enc.ids]  # documents joined by EOT
-                    np.asarray(ids, dtype=dtype).tofile(f)
-                    total += len(ids)
-                done += sum(d.nbytes for d in batch)
-                log(f"data: encoded {start + len(batch)}/{len(docs)} files ({done / 1e6:.1f} MB), {total:,} tokens")
-
-    atomic_write(out, write)
-    return total
-
-
-def build_cache(folder: Path, docs: list[Document], fp: str, source: str | Path | None, vocab_size: int,
-                log: Log) -> None:
-    """Write the tokenizer (reused when an earlier build left a trusted one), the tokens, then the meta."""
-    folder.mkdir(exist_ok=True)
-    tok = _reusable_tokenizer(folder, log) or _train_tokenizer(docs, vocab_size, folder / "tokenizer.json", log)
-    (folder / "meta.json").unlink(missing_ok=True)  # from here on the folder reads as incomplete
-    dtype = token_dtype(vocab_size)
-    n = _encode_corpus(docs, tok, dtype, folder / "tokens.bin", log)
-    meta = {"fingerprint": fp, "source": str(source or "<stdlib>"), "documents": len(docs),
-            "vocab_size": vocab_size, "tokenizer_vocab_size": tok.get_vocab_size(), "dtype": dtype.name,
-            "tokens": n, "files": {name: file_digest(folder / name) for name in ("tokenizer.json", "tokens.bin")}}
-    atomic_write(folder / "meta.json", lambda tmp: tmp.write_text(json.dumps(meta, indent=1)))
-    log(f"data: wrote {n:,} tokens to {folder}")
+def cache_tokenizer(folder: Path, text: TextInput, vocab_size: int, log: Log, given: Tokenizer | None,
+               eot_id: int | None) -> tuple[Tokenizer, int]:
+    """The cache's tokenizer and end-of-text id: ``given`` (saved into the folder), else one an
+    earlier build left and meta.json does not contradict, else a BPE trained on ``text``."""
+    if given is not None:
+        atomic_write(folder / "tokenizer.json", lambda tmp: given.save(str(tmp)))
+        return given, eot_id
+    tok = _reusable_tokenizer(folder, log) or _train_tokenizer(text, vocab_size, folder / "tokenizer.json", log)
+    return tok, tok.token_to_id(EOT)

@@ -1,16 +1,22 @@
-"""Training data: a locally trained byte-level BPE and a cached, verified token memmap.
+"""Training data: a verified token memmap from text (a given tokenizer, or a locally trained
+byte-level BPE) or read in place from token files.
 
 Corpus sources (``source`` argument):
 
 * ``None``: the Python standard library's own ``.py`` files (no download), sorted by path.
 * a text file, or a directory searched recursively for common text extensions (sorted).
-* a token file (``.npy``, or raw ``.bin`` of ``uint16``/``uint32`` ids), used as is.
+* Hugging Face ``datasets`` files (``.jsonl``, ``.parquet``, ``.arrow``; a file or a folder of
+  them, no text files beside): each record's ``text_field`` is a document (:mod:`.records`).
+* a token file (``.npy``, or raw ``.bin`` of ``uint16``/``uint32`` ids), a folder of such shards,
+  or a Megatron indexed dataset (``prefix`` with ``prefix.bin`` + ``prefix.idx``), used in place
+  (:mod:`.tokens`).
 
-Text sources are capped at ``max_bytes``, tokenised with a BPE trained on them, and cached under
-``cache_dir/corpus-<fingerprint>/`` (``tokenizer.json``, ``tokens.bin``, ``meta.json``). The
-fingerprint covers file paths, sizes, mtimes, the vocabulary size and the byte cap; the cache
-folder and the folders in ``exclude`` (a run's ``out_dir`` and checkpoint dir) are not part of the
-corpus even when they sit inside the source.
+Text sources are capped at ``max_bytes`` (datasets files are not), tokenised with ``tokenizer``
+when given, else with a BPE trained on them, and cached under ``cache_dir/corpus-<fingerprint>/``
+(``tokenizer.json``, ``tokens.bin``, ``meta.json``); documents are joined by the end-of-text id.
+The fingerprint covers file paths, sizes, mtimes, the vocabulary size, the byte cap and the
+tokenizer; the cache folder and the folders in ``exclude`` (a run's ``out_dir`` and checkpoint
+dir) are not part of the corpus even when they sit inside the source.
 
 The cache survives crashes and heals itself. Each file is written under a temporary name,
 fsynced, renamed into place and its folder fsynced; ``meta.json`` comes last and records each
@@ -33,22 +39,31 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from .cache import (CHUNK, EOT, Document, Log, build_cache, cache_problem, locked,  # noqa: F401
-                           token_dtype)
+from .cache import EOT, Log, cache_problem, locked
+from .shards import encode_shards, finish_cache, start_cache
+from .text import Document, TextInput, file_input
+from .errors import DataError
+from .records import record_files, record_input
+from .tokenizer import tokenizer_digest
+from .tokens import TOKEN_SUFFIXES, indexed_prefix, joined, map_ids, open_indexed, open_shards, shard_files
 
 MIN_VOCAB = 257  # 256 byte tokens + the end-of-text token
 DEFAULT_MAX_BYTES = 8_000_000
 TEXT_SUFFIXES = frozenset(".py .txt .md .rst .tex .c .h .cc .cpp .hpp .rs .go .js .ts .java .html .css .json "
                           ".yaml .yml .toml .cfg .ini .csv .sh".split())
-TOKEN_SUFFIXES = frozenset({".bin", ".npy"})
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
+_SIDE_FILES = frozenset({"meta.json", "tokenizer.json"})  # beside token shards, not text
 _FORMAT = 1  # bump to invalidate every cache entry
+
+
+class MissingSource(DataError, FileNotFoundError):
+    """A corpus source that does not exist."""
 
 
 def default_cache_dir() -> Path:
@@ -70,7 +85,7 @@ def list_documents(source: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES
     """Text files of ``source`` in sorted order, keeping a prefix of at most ``max_bytes`` bytes;
     folders in ``exclude`` (and everything under them) are skipped."""
     if max_bytes <= 0:
-        raise ValueError(f"max_bytes must be positive, got {max_bytes}")
+        raise DataError(f"max_bytes must be positive, got {max_bytes}")
     excluded = frozenset(Path(p).expanduser().resolve() for p in exclude)
     if source is None:
         root = Path(sysconfig.get_paths()["stdlib"])
@@ -82,7 +97,7 @@ def list_documents(source: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES
         elif root.is_file():
             paths = [root]
         else:
-            raise FileNotFoundError(f"corpus source {str(root)!r} does not exist")
+            raise MissingSource(f"corpus source {str(root)!r} does not exist")
     docs, left = [], max_bytes
     for path in paths:
         st = path.stat()
@@ -92,161 +107,202 @@ def list_documents(source: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES
         if left == 0:
             break
     if not docs:
-        raise ValueError(f"corpus source {str(root)!r} holds no non-empty text files "
-                         f"(extensions: {sorted(TEXT_SUFFIXES)})")
+        raise DataError(f"corpus source {str(root)!r} holds no non-empty text files "
+                        f"(extensions: {sorted(TEXT_SUFFIXES)})")
     return docs
 
 
-def fingerprint(docs: Sequence[Document], vocab_size: int, max_bytes: int) -> str:
-    """Hex digest identifying the cached tokenizer + tokens for these inputs."""
+def source_kind(source: str | Path | None) -> str:
+    """``text``, ``records`` (datasets files), ``tokens`` (one file), ``shards`` (a folder of token
+    files) or ``indexed`` (Megatron): how :func:`prepare_corpus` reads ``source``."""
+    if source is None:
+        return "text"
+    path = Path(source).expanduser()
+    if indexed_prefix(path) is not None:
+        return "indexed"
+    if path.suffix.lower() in TOKEN_SUFFIXES:
+        return "tokens"
+    if path.is_dir():
+        top = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
+        texts = [p for p in top if p.suffix.lower() in TEXT_SUFFIXES and p.name not in _SIDE_FILES]
+        if any(p.suffix.lower() == ".idx" for p in top):
+            raise DataError(f"data.source={str(source)!r} is a folder of Megatron indexed datasets; name one "
+                            f"prefix (data.source=PREFIX) or blend them (data.sources)")
+        if shard_files(path) and not texts:
+            return "shards"
+        if record_files(path) and not _walk(path, frozenset({"__pycache__"}), frozenset()):
+            return "records"
+    elif record_files(path):
+        return "records"
+    return "text"
+
+
+def fingerprint(docs: Sequence[Document], vocab_size: int, max_bytes: int, tokenizer: str | None = None) -> str:
+    """Hex digest identifying the cached tokenizer + tokens for these inputs (``tokenizer``: the
+    digest of a given tokenizer and its end-of-text id; None when the BPE is trained)."""
     key = [_FORMAT, vocab_size, max_bytes, [(str(d.path), d.size, d.mtime_ns) for d in docs]]
-    return hashlib.sha256(json.dumps(key).encode()).hexdigest()
+    return hashlib.sha256(json.dumps(key + ([tokenizer] if tokenizer else [])).encode()).hexdigest()
 
 
 def _cache_base(cache_dir: str | Path | None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
 
 
-def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_dir: str | Path | None = None,
-                   max_bytes: int = DEFAULT_MAX_BYTES, log: Log = print,
-                   exclude: Iterable[str | Path] = ()) -> Corpus:
-    """Train the tokenizer and encode the corpus unless a verified cache exists; return the opened corpus.
+@dataclass(frozen=True)
+class TextPlan:
+    """A text source's cache folder and what builds it."""
 
-    Safe to call from every rank at once (one builds, the others wait on a file lock, then verify
-    and reuse it). A cache that fails verification is rebuilt. Token files (``.bin``/``.npy``) are
-    only checked and opened. ``exclude``: folders inside ``source`` that are not corpus.
+    folder: Path
+    fp: str
+    load: Callable[[], TextInput]  # the text, opened only when the cache is (re)built
+    capped: bool = False  # max_bytes cut the source short
+
+
+def _text_plan(source, vocab_size: int, base: Path, max_bytes: int, exclude, tokenizer: Tokenizer | None,
+               eot_id: int | None, text_field: str) -> TextPlan:
+    given = f"{tokenizer_digest(tokenizer)}:{eot_id}" if tokenizer is not None else None
+    if source_kind(source) == "records":  # a verified cache needs no datasets package
+        files = record_files(Path(source).expanduser())
+        docs = [Document(p.resolve(), p.stat().st_size, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+        fp = fingerprint(docs, vocab_size, 0, f"{given}:{text_field}")
+        return TextPlan(base / f"corpus-{fp[:16]}", fp, lambda: record_input(files, text_field, base / "datasets"))
+    docs = list_documents(source, max_bytes, exclude=(*exclude, base))
+    fp = fingerprint(docs, vocab_size, max_bytes, given)
+    capped = source is not None and sum(d.nbytes for d in docs) >= max_bytes
+    return TextPlan(base / f"corpus-{fp[:16]}", fp, lambda: file_input(docs), capped)
+
+
+def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_dir: str | Path | None = None,
+                   max_bytes: int = DEFAULT_MAX_BYTES, log: Log = print, exclude: Iterable[str | Path] = (),
+                   tokenizer: Tokenizer | None = None, eot_id: int | None = None, text_field: str = "text",
+                   workers: int = 1) -> Corpus:
+    """Encode the corpus unless a verified cache exists (training a BPE first when no
+    ``tokenizer`` is given); return the opened corpus.
+
+    Safe to call from every rank at once: the tokenizer is trained once under the cache's file
+    lock; a corpus of one shard is encoded there too (the others wait, then verify and reuse it),
+    a larger one by every caller at once, each with ``workers`` processes
+    (:mod:`seqpar.data.shards`). A cache that fails verification is rebuilt, keeping the shards
+    that still match their records. Token sources are only checked and opened. ``exclude``:
+    folders inside ``source`` that are not corpus.
     """
-    if _is_token_file(source):
-        return open_corpus(source, vocab_size=vocab_size, cache_dir=cache_dir, max_bytes=max_bytes)
+    if source_kind(source) not in ("text", "records"):
+        return open_corpus(source, vocab_size=vocab_size, tokenizer=tokenizer, eot_id=eot_id)
     _check_vocab(vocab_size)
     base = _cache_base(cache_dir)
-    docs = list_documents(source, max_bytes, exclude=(*exclude, base))
-    fp = fingerprint(docs, vocab_size, max_bytes)
+    plan = _text_plan(source, vocab_size, base, max_bytes, exclude, tokenizer, eot_id, text_field)
+    if plan.capped:
+        log(f"data: reading only the first {max_bytes:,} bytes of {str(source)!r} (data.max_bytes); "
+            f"raise it to read more")
     base.mkdir(parents=True, exist_ok=True)
-    folder = base / f"corpus-{fp[:16]}"
-    with locked(base / f"corpus-{fp[:16]}.lock", log):
-        meta, problem = cache_problem(folder, fp, vocab_size)
+    lock, given = base / f"{plan.folder.name}.lock", tokenizer is not None
+    with locked(lock, log):
+        meta, problem = cache_problem(plan.folder, plan.fp, vocab_size)
         if meta is None:
-            if (folder / "meta.json").exists() or (folder / "tokens.bin").exists():
+            if (plan.folder / "meta.json").exists() or (plan.folder / "tokens.bin").exists():
                 log(f"data: rebuilding the corpus cache: {problem}")
-            build_cache(folder, docs, fp, source, vocab_size, log)
-            meta, problem = cache_problem(folder, fp, vocab_size)
+            job = start_cache(plan.folder, plan.load(), plan.fp, vocab_size, log, tokenizer, eot_id)
+            if len(job.shards) == 1:
+                meta = _finish(job, source, vocab_size, log, given)
+    if meta is None:  # several shards: every caller encodes them, outside the lock
+        encode_shards(job, workers, log)
+        with locked(lock, log):
+            meta, problem = cache_problem(plan.folder, plan.fp, vocab_size)
             if meta is None:
-                raise RuntimeError(f"the corpus cache just written fails its own check: {problem}")
-    return _open_folder(folder, meta, vocab_size)
+                meta = _finish(job, source, vocab_size, log, given)
+    return _open_folder(plan.folder, meta, vocab_size, given=tokenizer is not None)
+
+
+def _finish(job, source, vocab_size: int, log: Log, given: bool) -> dict:
+    finish_cache(job, source, vocab_size, log, given)
+    meta, problem = cache_problem(job.folder, job.fp, vocab_size)
+    if meta is None:
+        raise RuntimeError(f"the corpus cache just written fails its own check: {problem}")
+    return meta
 
 
 def open_corpus(source: str | Path | None = None, *, vocab_size: int, cache_dir: str | Path | None = None,
-                max_bytes: int = DEFAULT_MAX_BYTES, exclude: Iterable[str | Path] = ()) -> Corpus:
+                max_bytes: int = DEFAULT_MAX_BYTES, exclude: Iterable[str | Path] = (),
+                tokenizer: Tokenizer | None = None, eot_id: int | None = None, text_field: str = "text") -> Corpus:
     """Open an already prepared corpus read-only (no training, no writes, no lock), verified first."""
-    if _is_token_file(source):  # any vocabulary larger than the ids it holds
-        return _open_token_file(Path(source), vocab_size)
+    kind = source_kind(source)
+    if kind in ("tokens", "shards", "indexed"):  # any vocabulary larger than the ids they hold
+        return _open_tokens(Path(source), kind, vocab_size, tokenizer, eot_id)
     _check_vocab(vocab_size)
-    base = _cache_base(cache_dir)
-    docs = list_documents(source, max_bytes, exclude=(*exclude, base))
-    fp = fingerprint(docs, vocab_size, max_bytes)
-    folder = base / f"corpus-{fp[:16]}"
-    meta, problem = cache_problem(folder, fp, vocab_size)
+    plan = _text_plan(source, vocab_size, _cache_base(cache_dir), max_bytes, exclude, tokenizer, eot_id, text_field)
+    meta, problem = cache_problem(plan.folder, plan.fp, vocab_size)
     if meta is None:
-        hint = (f"call prepare_corpus(...) with the same source, vocab_size, max_bytes and exclude "
-                f"(it builds or rebuilds {str(folder)!r})")
-        if not (folder / "meta.json").exists():
-            raise FileNotFoundError(f"no prepared corpus in {str(folder)!r}; {hint}")
-        raise ValueError(f"the corpus cache is unusable: {problem}; {hint}")
-    return _open_folder(folder, meta, vocab_size)
+        hint = (f"call prepare_corpus(...) with the same source, vocab_size, max_bytes, exclude and tokenizer "
+                f"(it builds or rebuilds {str(plan.folder)!r})")
+        if not (plan.folder / "meta.json").exists():
+            raise MissingSource(f"no prepared corpus in {str(plan.folder)!r}; {hint}")
+        raise DataError(f"the corpus cache is unusable: {problem}; {hint}")
+    return _open_folder(plan.folder, meta, vocab_size, given=tokenizer is not None)
 
 
 def _check_vocab(vocab_size: int) -> None:
     if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB or vocab_size >= 2**32:
-        raise ValueError(f"vocab_size must be an int in [{MIN_VOCAB}, 2**32) (256 bytes + EOT), got {vocab_size!r}")
+        raise DataError(f"vocab_size must be an int in [{MIN_VOCAB}, 2**32) (256 bytes + EOT), got {vocab_size!r}")
 
 
-def _is_token_file(source: str | Path | None) -> bool:
-    return source is not None and Path(source).suffix.lower() in TOKEN_SUFFIXES
+def _open_folder(folder: Path, meta: dict, vocab_size: int, given: bool = False) -> Corpus:
+    """A verified cache: ``tokens.bin`` memory-mapped, or its shards read as one stream."""
+    tok, dtype = Tokenizer.from_file(str(folder / "tokenizer.json")), np.dtype(meta["dtype"])
+    shards = meta.get("shards", ["tokens.bin"])
+    maps = [np.memmap(folder / name, dtype=dtype, mode="r") for name in shards]
+    tokens = maps[0] if len(maps) == 1 else joined(maps)
+    eot = meta.get("eot_id", tok.token_to_id(EOT))
+    return Corpus(tokens, vocab_size, tok, eot, given)
 
 
-def _open_folder(folder: Path, meta: dict, vocab_size: int) -> Corpus:
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    tokens = np.memmap(folder / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["tokens"],))
-    return Corpus(tokens, vocab_size, tok, tok.token_to_id(EOT))
-
-
-def _first_outside(tokens: np.ndarray, vocab_size: int) -> tuple[int, int] | None:
-    """``(position, id)`` of the first id outside ``[0, vocab_size)``, or None; chunked."""
-    step = CHUNK // max(1, tokens.dtype.itemsize)
-    for lo in range(0, tokens.size, step):
-        part = np.asarray(tokens[lo:lo + step])
-        bad = np.flatnonzero((part < 0) | (part >= vocab_size))
-        if bad.size:
-            return lo + int(bad[0]), int(part[bad[0]])
-    return None
-
-
-def _bin_dtype(path: Path, vocab_size: int) -> np.dtype:
-    """The id type of a raw ``.bin``: from a ``meta.json`` beside it (checking the size it
-    records), else the smallest type holding ``vocab_size`` ids."""
-    meta_path = path.with_name("meta.json")
-    if not meta_path.exists():
-        return token_dtype(vocab_size)
-    try:
-        meta = json.loads(meta_path.read_text())
-        dtype = np.dtype(meta["dtype"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"token file {str(path)!r}: {str(meta_path)!r} beside it is unreadable "
-                         f"({type(e).__name__}: {str(e)[:200]})") from None
-    files = meta.get("files")
-    record = files.get(path.name) if isinstance(files, dict) else None
-    recorded = record.get("bytes") if isinstance(record, dict) else None
-    if recorded is not None and recorded != path.stat().st_size:
-        raise ValueError(f"token file {str(path)!r} has {path.stat().st_size} bytes, {str(meta_path)!r} records "
-                         f"{recorded} (truncated?)")
-    return dtype
-
-
-def _open_token_file(path: Path, vocab_size: int) -> Corpus:
-    """Open ``.npy`` or raw ``.bin`` ids, every id checked against ``vocab_size``; a
-    ``tokenizer.json`` (and ``meta.json``) beside it is used if present."""
-    if not path.is_file():
-        raise FileNotFoundError(f"token file {str(path)!r} does not exist")
-    if path.suffix.lower() == ".npy":
-        tokens = np.load(path, mmap_mode="r")
+def _open_tokens(path: Path, kind: str, vocab_size: int, tokenizer: Tokenizer | None,
+                 eot_id: int | None) -> Corpus:
+    """A token file, a folder of shards or a Megatron dataset, every id checked against
+    ``vocab_size``; without a given tokenizer a ``tokenizer.json`` beside the ids is used."""
+    if kind == "indexed":
+        prefix = indexed_prefix(path)
+        tokens, side = open_indexed(prefix, vocab_size, eot_id), prefix.with_name("tokenizer.json")
+    elif kind == "shards":
+        tokens, side = open_shards(path, vocab_size), path / "tokenizer.json"
     else:
-        dtype = _bin_dtype(path, vocab_size)
-        if path.stat().st_size % dtype.itemsize:
-            raise ValueError(f"token file {str(path)!r}: {path.stat().st_size} bytes is not a whole number "
-                             f"of {dtype.name} ids")
-        tokens = np.memmap(path, dtype=dtype, mode="r")
-    if tokens.ndim != 1 or tokens.dtype.kind not in "iu" or tokens.size == 0:
-        raise ValueError(f"token file {str(path)!r} must hold a non-empty 1-D integer array, "
-                         f"got shape {tokens.shape} dtype {tokens.dtype}")
-    bad = _first_outside(tokens, vocab_size)
-    if bad is not None:
-        raise ValueError(f"token file {str(path)!r}: id {bad[1]} at position {bad[0]} is outside the vocabulary "
-                         f"[0, {vocab_size}) (model.vocab_size)")
-    tok_path = path.with_name("tokenizer.json")
-    tok = Tokenizer.from_file(str(tok_path)) if tok_path.exists() else None
-    return Corpus(tokens, vocab_size, tok, tok.token_to_id(EOT) if tok is not None else None)
+        if not path.is_file():
+            raise MissingSource(f"token file {str(path)!r} does not exist")
+        tokens, side = map_ids(path, vocab_size), path.with_name("tokenizer.json")
+    tok = tokenizer if tokenizer is not None else (Tokenizer.from_file(str(side)) if side.is_file() else None)
+    if eot_id is None:
+        eot_id = getattr(tokens, "eot", None)
+    if eot_id is None and tok is not None:
+        eot_id = tok.token_to_id(EOT)
+    return Corpus(tokens, vocab_size, tok, eot_id, tokenizer is not None)
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """Token ids of a whole corpus (read-only memmap) and the tokenizer that made them."""
+    """Token ids of a whole corpus (read-only memmap or :class:`~seqpar.data.tokens.TokenStream`)
+    and the tokenizer that made them."""
 
     tokens: np.ndarray  # [n] ids, all < vocab_size (checked when opened)
     vocab_size: int  # embedding rows the model needs (>= the tokenizer's own vocabulary)
-    tokenizer: Tokenizer | None  # None for a bare token file
+    tokenizer: Tokenizer | None  # None for bare token files
     eot_id: int | None
+    tokenizer_given: bool = False  # True: data.tokenizer or a checkpoint's, not a BPE trained here
+    # a blend (data.sources): its sources' corpora, normalised weights and names; ``tokens`` then
+    # reads them one after another (:class:`~seqpar.data.blend.Joined`)
+    parts: tuple[Corpus, ...] = ()
+    weights: tuple[float, ...] = ()
+    names: tuple[str, ...] = ()
 
     def split(self, eval_fraction: float = 0.05) -> tuple[np.ndarray, np.ndarray]:
         """``(train, heldout)`` views: the held-out part is the last ``eval_fraction`` of tokens."""
         if not 0.0 <= eval_fraction < 1.0:
-            raise ValueError(f"eval_fraction must lie in [0, 1), got {eval_fraction}")
+            raise DataError(f"eval_fraction must lie in [0, 1), got {eval_fraction}")
         cut = len(self.tokens) - int(len(self.tokens) * eval_fraction)
         return self.tokens[:cut], self.tokens[cut:]
 
     def _tok(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise ValueError("this corpus was opened from a token file without a tokenizer.json beside it")
+            raise DataError("this corpus was opened from a token file without a tokenizer.json beside it "
+                            "(set data.tokenizer)")
         return self.tokenizer
 
     def encode(self, text: str) -> list[int]:

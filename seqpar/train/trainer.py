@@ -128,7 +128,8 @@ class Trainer:
     def _setup_data(self) -> None:
         """Corpus, the training stream of this dp rank, fixed eval batches, the tokenizer attachment."""
         self.corpus = load_corpus(self.cfg, self.logger.print)
-        self.batches, self.evals = data_streams(self.cfg, self.corpus, self.mesh.dp_rank, self.dp, self.accum)
+        self.batches, self.evals = data_streams(self.cfg, self.corpus, self.mesh.dp_rank, self.dp, self.accum,
+                                                self.logger.print)
         self.attachments = tokenizer_attachment(self.cfg, self.corpus, self.mesh.is_first)
 
     def _setup_model(self) -> None:
