@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Literal
 
+from ..distributed.context import CP_COMMS, CPComm, check_context_layout
 from ..model.config import GPTConfig
 from ..model.modes import DATA_PARALLEL_MODES, PRECISION_SETTINGS, DataParallelMode, PrecisionSetting
 from . import loader
@@ -63,9 +64,15 @@ class ParallelConfig:
     # pipeline schedule: None = "1F1B" when virtual_stages is 1, else "Interleaved1F1B"; "GPipe"
     # (all forwards, then all backwards) for comparison
     pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] | None = None
+    # context parallelism: each sequence cut into 2*cp chunks, CP rank r holding chunks r and
+    # 2cp-1-r (the mesh is pp x dp x cp x tp); attention exchanges K/V over cp by one all-gather
+    # ("allgather") or by a ring of point-to-point steps overlapped with the blocks ("ring")
+    cp: int = 1
+    cp_comm: CPComm = "allgather"
 
     def validate(self) -> None:
-        for name in ("tp", "dp", "pp", "virtual_stages"):
+        check_choice("parallel.cp_comm", self.cp_comm, CP_COMMS)
+        for name in ("tp", "dp", "pp", "virtual_stages", "cp"):
             check_at_least(f"parallel.{name}", getattr(self, name), 1)
         check_number("parallel.timeout_minutes", self.timeout_minutes, "> 0")
         if self.data_parallel is not None:
@@ -78,7 +85,7 @@ class ParallelConfig:
         without pipeline stages)."""
         if self.data_parallel is not None:
             return self.data_parallel
-        return "fsdp" if dp > 1 and self.pp == 1 else "ddp"
+        return "fsdp" if dp > 1 and self.pp == 1 and self.cp == 1 else "ddp"
 
 
 @dataclass
@@ -179,6 +186,26 @@ class RunConfig:
                              "recompute must fit); set it, or choose model.recompute none|selective|full")
         self._validate_pipeline()
         self.model.check_parallel(self.parallel.tp)
+        self._validate_context()
+
+    def _validate_context(self) -> None:
+        """Context parallelism: the sequence into 2*cp chunks (over t under SP); what cp does not
+        compose with yet is refused here, naming the keys."""
+        pc, mc = self.parallel, self.model
+        if pc.cp == 1:
+            return
+        try:
+            check_context_layout(mc.seq_len, pc.cp, pc.tp, mc.sequence_parallel)
+        except ValueError as e:
+            raise ValueError(f"model.seq_len / parallel.cp: {e}") from None
+        if mc.attention_dropout > 0:
+            raise ValueError(f"model.attention_dropout={mc.attention_dropout} with parallel.cp={pc.cp} is not "
+                             f"supported yet; set model.attention_dropout=0")
+        if pc.pp > 1:
+            raise ValueError(f"parallel.cp={pc.cp} with parallel.pp={pc.pp} is not supported yet")
+        if pc.data_parallel == "fsdp":
+            raise ValueError(f"parallel.data_parallel=fsdp with parallel.cp={pc.cp} is not supported yet "
+                             f"(use ddp, the default with cp > 1)")
 
     def _validate_pipeline(self) -> None:
         """Pipeline stages: L divisible into pp x virtual_stages stages, a schedule that fits m."""

@@ -58,12 +58,15 @@ class DataParallel:
 
     def after_backward(self) -> None:
         """Once per optimizer step, after the last backward: the bf16 recipe's fp32 gradients
-        averaged over dp (ddp), then SP-replicated gradients summed over TP (on the dp shards
-        under fsdp)."""
+        averaged over dp (ddp), the CP ranks' shares summed over cp (context parallelism), then
+        SP-replicated gradients summed over TP (on the dp shards under fsdp)."""
         tp = self.mesh.tp_group
         if self.master_weights and not self.sharded:
             all_reduce_coalesced([p.grad for p in self.model.parameters() if p.grad is not None],
                                  self.mesh.dp_group, mean=True)
+        if self.mesh.cp_size > 1 and not self.sharded:  # each CP rank holds its tokens' share: sum once
+            all_reduce_coalesced([p.grad for p in self.model.parameters() if p.grad is not None],
+                                 self.mesh.cp_group)
         if self.sharded:
             sync_sharded_sp_grads(self.model, tp)
         else:

@@ -107,7 +107,7 @@ class Trainer:
         """The mesh of the resolved layout, unless one was given."""
         pc = self.cfg.parallel
         if mesh is None:
-            mesh = init_parallel(pc.tp, self.dp, pp=pc.pp, timeout=timedelta(minutes=pc.timeout_minutes))
+            mesh = init_parallel(pc.tp, self.dp, pp=pc.pp, cp=pc.cp, timeout=timedelta(minutes=pc.timeout_minutes))
         if mesh.device.type == "cpu":
             torch.set_num_threads(self.tc.threads_per_rank)
         return mesh

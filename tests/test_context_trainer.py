@@ -1,0 +1,92 @@
+"""Context parallelism in the Trainer: cp=2 x tp=2 and cp=2 x dp=2 train like one process, the
+token count behind tokens/s is the global batch's, checkpoints resume across cp."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from seqpar.config import load_run_config
+from seqpar.distributed.mesh import ParallelMesh, init_parallel
+from seqpar.train import Trainer
+from seqpar.train.resolve import resolve_run
+
+
+def _overrides(tmp, out: str, **extra) -> list[str]:
+    cfg = {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 2, "model.layers": 2,
+           "model.dropout": 0.0, "model.attention_dropout": 0.0, "model.recompute": "selective",
+           "train.steps": 4, "train.micro_batch": 2, "train.global_batch": 4, "train.lr": 3e-3,
+           "train.warmup_steps": 1, "train.eval_interval": 0, "train.seed": 5, "train.log_interval": 1,
+           "data.source": str(tmp / "tokens.npy"), "checkpoint.dir": str(tmp / out / "ckpt"),
+           "checkpoint.resume": "never", "checkpoint.interval": 0, "out_dir": str(tmp / out)}
+    cfg.update(extra)
+    return [f"{k}={v}" for k, v in cfg.items()]
+
+
+def _save_at_2(tmp, out: str, mesh, **extra) -> None:
+    trainer = Trainer(load_run_config(None, _overrides(tmp, out, **extra)), mesh=mesh)
+    try:
+        trainer.train_step(0)
+        trainer.train_step(1)
+        trainer.save(2)
+    finally:
+        trainer.close()
+
+
+def _fit(tmp, out: str, mesh, **extra) -> dict:
+    trainer = Trainer(load_run_config(None, _overrides(tmp, out, **extra)), mesh=mesh)
+    counted = (trainer.throughput.tokens_per_step, trainer.throughput.flops_per_step)
+    history = trainer.fit()
+    return {"losses": history["losses"], "counted": counted}
+
+
+def _single(rank, world, tmp, phase):
+    mesh = ParallelMesh.single()
+    if phase == "before":
+        _save_at_2(tmp, "one-saved", mesh)
+        return _fit(tmp, "one", mesh)
+    return _fit(tmp, "cp-saved", mesh, **{"checkpoint.resume": "auto"})  # the cp=2 x tp=2 checkpoint
+
+
+def _layouts(rank, world, tmp):
+    out = {}
+    for name, tp, cp, comm in (("tp2cp2", 2, 2, "allgather"), ("dp2cp2", 1, 2, "ring")):
+        mesh = init_parallel(tp=tp, cp=cp)
+        out[name] = _fit(tmp, name, mesh, **{"parallel.tp": tp, "parallel.cp": cp, "parallel.cp_comm": comm})
+    mesh = init_parallel(tp=2, cp=2)
+    cp_run = {"parallel.tp": 2, "parallel.cp": 2}
+    # the one-process checkpoint, resumed at cp=2 x tp=2 (the same dense pieces)
+    out["resumed"] = _fit(tmp, "one-saved", mesh, **cp_run, **{"checkpoint.resume": "auto"})
+    _save_at_2(tmp, "cp-saved", mesh, **cp_run)
+    return out
+
+
+def test_context_parallel_trainer_equals_one_process(spawn, tmp_path):
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 64, size=4000).astype(np.uint16))
+    one = spawn(_single, 1, tmp_path, "before")[0]
+    ranks = spawn(_layouts, 4, tmp_path)
+    back = spawn(_single, 1, tmp_path, "after")[0]
+    ref = one["losses"]
+    assert len(ref) == 4
+    for r in ranks:
+        for name in ("tp2cp2", "dp2cp2"):
+            assert np.allclose(r[name]["losses"], ref, atol=1e-5, rtol=0), (name, r[name]["losses"], ref)
+            # tokens/s and MFU count the global batch's tokens and FLOPs once, not once per CP rank
+            assert r[name]["counted"] == one["counted"] and one["counted"][0] == 4 * 16
+        assert np.allclose(r["resumed"]["losses"], ref[2:], atol=1e-5, rtol=0), (r["resumed"], ref)
+    assert np.allclose(back["losses"], ref[2:], atol=1e-5, rtol=0), (back, ref)
+
+
+def test_resolve_refuses_bad_cp_layouts():
+    def resolve(world, **kw):
+        return resolve_run(load_run_config(None, [f"{k}={v}" for k, v in kw.items()]), world)
+    with pytest.raises(ValueError, match=r"pp=1 x dp=1 x cp=2 x tp=2 = 4, world size = 8"):
+        resolve(8, **{"parallel.cp": 2, "parallel.tp": 2, "parallel.dp": 1, "model.attention_dropout": 0.0})
+    with pytest.raises(ValueError, match=r"model.seq_len / parallel.cp: sequence length 1000 is not divisible "
+                                         r"by 2 x cp = 16"):
+        resolve(8, **{"parallel.cp": 8, "model.seq_len": 1000})
+    with pytest.raises(ValueError, match=r"attention_dropout=0.1 with parallel.cp=2"):
+        resolve(2, **{"parallel.cp": 2})
+    with pytest.raises(ValueError, match=r"parallel.cp_comm: expected one of \['allgather', 'ring'\], got 'p2p'"):
+        resolve(2, **{"parallel.cp": 2, "parallel.cp_comm": "p2p"})
+    run = resolve(8, **{"parallel.cp": 2, "parallel.tp": 2, "model.attention_dropout": 0.0})
+    assert (run.dp, run.dp_mode) == (2, "ddp")
