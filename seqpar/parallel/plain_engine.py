@@ -75,7 +75,7 @@ class PlainEngine(StepEngine):
 
     def memory_line(self) -> str:
         return self.probe.line(self.cfg.model, t=self.mesh.tp_size, micro_batch=self.cfg.train.micro_batch,
-                               activation_bytes=self.precision.activation_bytes)
+                               activation_bytes=self.precision.activation_bytes, cp=self.mesh.cp_size)
 
 
 __all__ = ["PlainEngine"]
