@@ -4,14 +4,17 @@ This rank's queries are its two chunks ``(r, 2cp-1-r)`` (:mod:`seqpar.distribute
 they attend to every earlier key of the full sequence. K/V reach them by
 
 * ``allgather``: one all-gather of this rank's ``[s/cp, b, 2, g/t, d]`` K/V over cp, reordered to
-  sequence order; query chunk ``i`` then attends to the keys of chunks ``0..i`` in one block.
-  Backward gathers again and reduce-scatters the K/V gradients (never keeping the full K/V).
+  sequence order; query chunk ``i`` then attends to the keys of chunks ``0..i``, one ``[c, c]``
+  block at a time. Backward gathers again and reduce-scatters the K/V gradients (never keeping
+  the full K/V).
 * ``ring``: ``cp - 1`` point-to-point steps; each step's transfer of the next K/V block is started
   before this block's attention. Backward rotates K/V again, the K/V gradients travelling with
   them back to their owner (``cp`` gradient transfers).
 
 Per block the math is flash attention's: partial outputs and their log-sum-exp, merged exactly
-(``logaddexp``), computed in fp32 at least. Backward recomputes each block's probabilities from
+(``logaddexp``), computed in fp32 at least. A block's scores are ``[b, a/t, c, c]`` (``c = s/(2cp)``),
+so the transient is bounded by one chunk pair in both exchanges. This is seqpar's own kernel
+(matmuls and exp, any device); ``model.attention`` does not change it. Backward recomputes each block's probabilities from
 the saved log-sum-exp (``dS = P * (dP - rowsum(dO * O))``), so what a layer keeps is its own
 q, k, v, the output and the ``[b, a/t, s/cp]`` log-sum-exp: never an ``s x s`` term, whatever the
 recompute mode. Grouped-query attention folds the ``a/g`` query heads of a K/V head into rows
@@ -100,23 +103,27 @@ def _gather_kv(k, v, cp: ContextParallel, dtype):
 def _allgather_forward(qs, k, v, cp: ContextParallel, scale, reps, dtype):
     kf, vf, _ = _gather_kv(k, v, cp, dtype)
     c = k.shape[0] // 2
-    results = []
-    for q, chunk in zip(qs, context_chunks(cp.rank, cp.size)):
-        end = (chunk + 1) * c  # keys of chunks 0..chunk
-        results.append(block_forward(q, kf[:, :, :end], vf[:, :, :end], scale, chunk * c, reps))
-    return results
+    acc = [(None, None), (None, None)]
+    for i, chunk in enumerate(context_chunks(cp.rank, cp.size)):
+        for j in range(chunk + 1):  # key chunks 0..chunk, one [c, c] block each (bounded transient)
+            rows = slice(j * c, (j + 1) * c)
+            offset = 0 if j == chunk else None
+            acc[i] = merge(*acc[i], *block_forward(qs[i], kf[:, :, rows], vf[:, :, rows], scale, offset, reps))
+    return acc
 
 
 def _allgather_backward(qs, k, v, douts, lses, deltas, cp: ContextParallel, scale, reps, dtype):
     kf, vf, pos = _gather_kv(k, v, cp, dtype)
     c = k.shape[0] // 2
-    dkf, dvf, dqs = torch.zeros_like(kf), torch.zeros_like(vf), []
-    for q, chunk, dout, lse, delta in zip(qs, context_chunks(cp.rank, cp.size), douts, lses, deltas):
-        end = (chunk + 1) * c
-        dq, dk, dv = block_backward(q, kf[:, :, :end], vf[:, :, :end], dout, lse, delta, scale, chunk * c, reps)
-        dqs.append(dq)
-        dkf[:, :, :end] += dk
-        dvf[:, :, :end] += dv
+    dkf, dvf, dqs = torch.zeros_like(kf), torch.zeros_like(vf), [torch.zeros_like(q) for q in qs]
+    for i, chunk in enumerate(context_chunks(cp.rank, cp.size)):
+        for j in range(chunk + 1):
+            rows = slice(j * c, (j + 1) * c)
+            dq, dk, dv = block_backward(qs[i], kf[:, :, rows], vf[:, :, rows], douts[i], lses[i], deltas[i], scale,
+                                        0 if j == chunk else None, reps)
+            dqs[i] += dq
+            dkf[:, :, rows] += dk
+            dvf[:, :, rows] += dv
     dkv = torch.stack([dkf, dvf]).permute(3, 0, 1, 2, 4).index_select(0, pos)  # [s, 2, b, g, d], rank order
     dkv, _ = reduce_scatter_dim0(dkv.to(k.dtype), cp.group)                    # [s/cp, 2, b, g, d]
     return dqs, dkv[:, 0], dkv[:, 1]
