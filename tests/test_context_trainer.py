@@ -1,6 +1,9 @@
-"""Context parallelism in the Trainer: cp=2 x tp=2 and cp=2 x dp=2 train like one process, the
-token count behind tokens/s is the global batch's, checkpoints resume across cp."""
+"""Context parallelism in the Trainer: cp=2 x tp=2 and cp=2 x dp=2 (ddp, and FSDP2 over dp x cp)
+train like one process, the token count behind tokens/s is the global batch's, checkpoints resume
+across cp."""
 from __future__ import annotations
+
+import json
 
 import numpy as np
 import pytest
@@ -36,7 +39,9 @@ def _fit(tmp, out: str, mesh, **extra) -> dict:
     trainer = Trainer(load_run_config(None, _overrides(tmp, out, **extra)), mesh=mesh)
     counted = (trainer.throughput.tokens_per_step, trainer.throughput.flops_per_step)
     history = trainer.fit()
-    return {"losses": history["losses"], "counted": counted}
+    metrics = tmp / out / "metrics.jsonl"  # written by global rank 0
+    norms = [json.loads(line)["grad norm"] for line in metrics.read_text().splitlines()] if metrics.exists() else None
+    return {"losses": history["losses"], "counted": counted, "norms": norms}
 
 
 def _single(rank, world, tmp, phase):
@@ -49,9 +54,11 @@ def _single(rank, world, tmp, phase):
 
 def _layouts(rank, world, tmp):
     out = {}
-    for name, tp, cp, comm in (("tp2cp2", 2, 2, "allgather"), ("dp2cp2", 1, 2, "ring")):
+    for name, tp, cp, comm, dpm in (("tp2cp2", 2, 2, "allgather", "ddp"), ("dp2cp2", 1, 2, "ring", "ddp"),
+                                    ("fsdp-dp2cp2", 1, 2, "allgather", "fsdp"), ("fsdp-tp2cp2", 2, 2, "ring", "fsdp")):
         mesh = init_parallel(tp=tp, cp=cp)
-        out[name] = _fit(tmp, name, mesh, **{"parallel.tp": tp, "parallel.cp": cp, "parallel.cp_comm": comm})
+        out[name] = _fit(tmp, name, mesh, **{"parallel.tp": tp, "parallel.cp": cp, "parallel.cp_comm": comm,
+                                             "parallel.data_parallel": dpm})
     mesh = init_parallel(tp=2, cp=2)
     cp_run = {"parallel.tp": 2, "parallel.cp": 2}
     # the one-process checkpoint, resumed at cp=2 x tp=2 (the same dense pieces)
@@ -68,10 +75,12 @@ def test_context_parallel_trainer_equals_one_process(spawn, tmp_path):
     ref = one["losses"]
     assert len(ref) == 4
     for r in ranks:
-        for name in ("tp2cp2", "dp2cp2"):
+        for name in ("tp2cp2", "dp2cp2", "fsdp-dp2cp2", "fsdp-tp2cp2"):  # FSDP2 shards over dp x cp
             assert np.allclose(r[name]["losses"], ref, atol=1e-5, rtol=0), (name, r[name]["losses"], ref)
             # tokens/s and MFU count the global batch's tokens and FLOPs once, not once per CP rank
             assert r[name]["counted"] == one["counted"] and one["counted"][0] == 4 * 16
+    for name in ("tp2cp2", "dp2cp2", "fsdp-dp2cp2", "fsdp-tp2cp2"):  # the one global norm, clipped alike
+        assert np.allclose(ranks[0][name]["norms"], one["norms"], rtol=1e-5), (name, ranks[0][name]["norms"])
         assert np.allclose(r["resumed"]["losses"], ref[2:], atol=1e-5, rtol=0), (r["resumed"], ref)
     assert np.allclose(back["losses"], ref[2:], atol=1e-5, rtol=0), (back, ref)
 

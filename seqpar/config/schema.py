@@ -203,9 +203,6 @@ class RunConfig:
                              f"supported yet; set model.attention_dropout=0")
         if pc.pp > 1:
             raise ValueError(f"parallel.cp={pc.cp} with parallel.pp={pc.pp} is not supported yet")
-        if pc.data_parallel == "fsdp":
-            raise ValueError(f"parallel.data_parallel=fsdp with parallel.cp={pc.cp} is not supported yet "
-                             f"(use ddp, the default with cp > 1)")
 
     def _validate_pipeline(self) -> None:
         """Pipeline stages: L divisible into pp x virtual_stages stages, a schedule that fits m."""
