@@ -50,7 +50,7 @@ def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 @dataclass
 class ParallelConfig:
     tp: int = 1                  # tensor-parallel size t (one node's GPUs on a cluster)
-    dp: int | None = None        # data-parallel size; None = world size / tp
+    dp: int | None = None        # data-parallel size; None = world size / (pp x cp x tp)
     pp: int = 1                  # pipeline stages p (outermost: each stage is dp x tp consecutive ranks)
     virtual_stages: int = 1      # model chunks m per pipeline rank (the interleaved schedule)
     timeout_minutes: float = 10  # a collective waiting longer fails the job instead of hanging it

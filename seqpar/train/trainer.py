@@ -265,8 +265,8 @@ class Trainer:
             raise ValueError(f"sample: the corpus {self.cfg.data.source!r} is a bare token file without a "
                              f"tokenizer.json beside it")
         if self.engine.full_model is None:
-            raise ValueError("sample: this rank holds pipeline stages, not the whole model; sample from a "
-                             "checkpoint with seqpar generate")
+            raise ValueError("sample: this rank holds pipeline stages or context-parallel chunks, not the whole "
+                             "model; sample from a checkpoint with seqpar generate")
         ids = sample_ids(self.engine.full_model, self.corpus.encode(prompt), max_new_tokens, seed=self.tc.seed)
         return self.corpus.decode(ids)
 
