@@ -1,5 +1,5 @@
-"""Context parallelism in the Trainer: cp=2 x tp=2 and cp=2 x dp=2 (ddp, and FSDP2 over dp x cp)
-train like one process, the token count behind tokens/s is the global batch's, checkpoints resume
+"""Context parallelism in the Trainer: cp=2 x tp=2, cp=2 x dp=2 (ddp, and FSDP2 over dp x cp) and
+pp=2 x cp=2 train like one process, the token count behind tokens/s is the global batch's, checkpoints resume
 across cp."""
 from __future__ import annotations
 
@@ -59,6 +59,8 @@ def _layouts(rank, world, tmp):
         mesh = init_parallel(tp=tp, cp=cp)
         out[name] = _fit(tmp, name, mesh, **{"parallel.tp": tp, "parallel.cp": cp, "parallel.cp_comm": comm,
                                              "parallel.data_parallel": dpm})
+    mesh = init_parallel(tp=1, cp=2, pp=2)  # two pipeline stages of cp=2
+    out["pp2cp2"] = _fit(tmp, "pp2cp2", mesh, **{"parallel.pp": 2, "parallel.cp": 2})
     mesh = init_parallel(tp=2, cp=2)
     cp_run = {"parallel.tp": 2, "parallel.cp": 2}
     # the one-process checkpoint, resumed at cp=2 x tp=2 (the same dense pieces)
@@ -75,11 +77,11 @@ def test_context_parallel_trainer_equals_one_process(spawn, tmp_path):
     ref = one["losses"]
     assert len(ref) == 4
     for r in ranks:
-        for name in ("tp2cp2", "dp2cp2", "fsdp-dp2cp2", "fsdp-tp2cp2"):  # FSDP2 shards over dp x cp
+        for name in ("tp2cp2", "dp2cp2", "fsdp-dp2cp2", "fsdp-tp2cp2", "pp2cp2"):  # FSDP2 shards over dp x cp
             assert np.allclose(r[name]["losses"], ref, atol=1e-5, rtol=0), (name, r[name]["losses"], ref)
             # tokens/s and MFU count the global batch's tokens and FLOPs once, not once per CP rank
             assert r[name]["counted"] == one["counted"] and one["counted"][0] == 4 * 16
-    for name in ("tp2cp2", "dp2cp2", "fsdp-dp2cp2", "fsdp-tp2cp2"):  # the one global norm, clipped alike
+    for name in ("tp2cp2", "dp2cp2", "fsdp-dp2cp2", "fsdp-tp2cp2", "pp2cp2"):  # one global norm, clipped alike
         assert np.allclose(ranks[0][name]["norms"], one["norms"], rtol=1e-5), (name, ranks[0][name]["norms"])
         assert np.allclose(r["resumed"]["losses"], ref[2:], atol=1e-5, rtol=0), (r["resumed"], ref)
     assert np.allclose(back["losses"], ref[2:], atol=1e-5, rtol=0), (back, ref)
@@ -97,5 +99,8 @@ def test_resolve_refuses_bad_cp_layouts():
         resolve(2, **{"parallel.cp": 2})
     with pytest.raises(ValueError, match=r"parallel.cp_comm: expected one of \['allgather', 'ring'\], got 'p2p'"):
         resolve(2, **{"parallel.cp": 2, "parallel.cp_comm": "p2p"})
+    with pytest.raises(ValueError, match=r"parallel.cp_comm=ring with parallel.pp=2 is not supported yet"):
+        resolve(4, **{"parallel.cp": 2, "parallel.pp": 2, "parallel.cp_comm": "ring", "model.attention_dropout": 0.0,
+                      "model.layers": 2})
     run = resolve(8, **{"parallel.cp": 2, "parallel.tp": 2, "model.attention_dropout": 0.0})
     assert (run.dp, run.dp_mode) == (2, "ddp")

@@ -201,8 +201,9 @@ class RunConfig:
         if mc.attention_dropout > 0:
             raise ValueError(f"model.attention_dropout={mc.attention_dropout} with parallel.cp={pc.cp} is not "
                              f"supported yet; set model.attention_dropout=0")
-        if pc.pp > 1:
-            raise ValueError(f"parallel.cp={pc.cp} with parallel.pp={pc.pp} is not supported yet")
+        if pc.pp > 1 and pc.cp_comm != "allgather":
+            raise ValueError(f"parallel.cp_comm={pc.cp_comm} with parallel.pp={pc.pp} is not supported yet: "
+                             f"pipeline stages exchange K/V by allgather (set parallel.cp_comm=allgather)")
 
     def _validate_pipeline(self) -> None:
         """Pipeline stages: L divisible into pp x virtual_stages stages, a schedule that fits m."""

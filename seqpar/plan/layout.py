@@ -130,9 +130,9 @@ def _context_problems(layout: Layout, model: GPTConfig) -> list[str]:
     except ValueError as err:
         problems.append(str(err))
     if layout.pp > 1:
-        problems.append(f"cp={layout.cp} with pp={layout.pp} is not supported yet")
+        problems.append(f"cp={layout.cp} with pp={layout.pp} is not modelled by the planner yet")
     if layout.data_parallel == "fsdp":
-        problems.append(f"data_parallel=fsdp with cp={layout.cp} is not supported yet")
+        problems.append(f"data_parallel=fsdp with cp={layout.cp} is not modelled by the planner yet")
     if model.attention_dropout > 0:
         problems.append(f"cp={layout.cp} needs attention_dropout 0 (got {model.attention_dropout})")
     return problems
