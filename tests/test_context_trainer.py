@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from seqpar.config import load_run_config
 from seqpar.distributed.mesh import ParallelMesh, init_parallel
@@ -66,7 +67,23 @@ def _layouts(rank, world, tmp):
     # the one-process checkpoint, resumed at cp=2 x tp=2 (the same dense pieces)
     out["resumed"] = _fit(tmp, "one-saved", mesh, **cp_run, **{"checkpoint.resume": "auto"})
     _save_at_2(tmp, "cp-saved", mesh, **cp_run)
+    out["rng_kept"] = _rng_after_resume_at_dp2(tmp)
     return out
+
+
+def _rng_after_resume_at_dp2(tmp) -> bool:
+    """The cp=2 x tp=2 checkpoint resumed at dp=2 x tp=2 (the same world size): its per-rank RNG
+    states belong to other ranks' roles, so the fresh streams must be kept."""
+    trainer = Trainer(load_run_config(None, _overrides(tmp, "cp-saved", **{"parallel.tp": 2,
+                                                                           "checkpoint.resume": "auto"})),
+                      mesh=init_parallel(tp=2))
+    try:
+        fresh = trainer.engine.streams[0].get_state()
+        trainer.resume()
+        after = trainer.engine.streams[0].get_state()
+    finally:
+        trainer.close()
+    return all(torch.equal(fresh[k], after[k]) for k in fresh if torch.is_tensor(fresh[k]))
 
 
 def test_context_parallel_trainer_equals_one_process(spawn, tmp_path):
@@ -84,6 +101,7 @@ def test_context_parallel_trainer_equals_one_process(spawn, tmp_path):
     for name in ("tp2cp2", "dp2cp2", "fsdp-dp2cp2", "fsdp-tp2cp2", "pp2cp2"):  # one global norm, clipped alike
         assert np.allclose(ranks[0][name]["norms"], one["norms"], rtol=1e-5), (name, ranks[0][name]["norms"])
         assert np.allclose(r["resumed"]["losses"], ref[2:], atol=1e-5, rtol=0), (r["resumed"], ref)
+        assert r["rng_kept"]
     assert np.allclose(back["losses"], ref[2:], atol=1e-5, rtol=0), (back, ref)
 
 
