@@ -83,6 +83,7 @@ VALID: dict[str, st.SearchStrategy] = {
                                                    max_size=4),  # resized to model.layers in valid_values
     "parallel.tp": st.sampled_from([1, 2, 4]), "parallel.dp": st.none() | st.integers(1, 4096),
     "parallel.pp": st.just(1), "parallel.virtual_stages": st.just(1),  # m > 1 needs pp > 1 dividing L
+    "parallel.cp": st.just(1),  # cp > 1 needs seq_len in 2*cp chunks and no attention dropout
     "parallel.timeout_minutes": _floats(0.0, 1e6, exclude_min=True),
     "parallel.bucket_mib": _floats(0.0, 1e6, exclude_min=True),
     "parallel.data_parallel": st.sampled_from([None, "ddp", "fsdp"]),
@@ -147,7 +148,7 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy] = {
     "model.attention_dropout": NEG | st.floats(min_value=1.0) | NONFINITE,
     "model.layernorm_eps": st.floats(max_value=0.0) | NONFINITE, "model.init_std": NEG | NONFINITE,
     "model.kv_heads": BELOW[1] | st.sampled_from([5, 7, 24]), "model.vocab_multiple": BELOW[1],  # heads = 12
-    **{f"parallel.{k}": BELOW[1] for k in ("tp", "dp", "virtual_stages")},
+    **{f"parallel.{k}": BELOW[1] for k in ("tp", "dp", "virtual_stages", "cp")},
     "parallel.pp": BELOW[1] | st.sampled_from([5, 7, 11]),  # the default 12 layers split into no such stages
     "parallel.timeout_minutes": st.floats(max_value=0.0) | NONFINITE,
     "parallel.bucket_mib": st.floats(max_value=0.0) | NONFINITE,

@@ -300,8 +300,10 @@ def _load_rng(path: Path, extra: dict, modules: list, streams) -> None:
     file on any rank raises :class:`CheckpointCorrupt` on every rank, naming it."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rng_file = path / f"rng_rank{_rank()}.pt"
-    layout = (modules[0].tp_size, len(modules), getattr(modules[0], "num_stages", 1))
-    saved = (extra.get("tp"), extra.get("virtual_stages", 1), extra.get("pp", 1) * extra.get("virtual_stages", 1))
+    cp = getattr(getattr(modules[0], "cp", None), "size", 1)  # context parallelism: ranks' roles differ too
+    layout = (modules[0].tp_size, len(modules), getattr(modules[0], "num_stages", 1), cp)
+    saved = (extra.get("tp"), extra.get("virtual_stages", 1), extra.get("pp", 1) * extra.get("virtual_stages", 1),
+             extra.get("cp", 1))
     problem = None
     if extra.get("world_size") == world and saved == layout and rng_file.is_file():
         try:

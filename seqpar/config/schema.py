@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Literal
 
+from ..distributed.context import CP_COMMS, CPComm, check_context_layout
 from ..model.config import GPTConfig
 from ..model.modes import DATA_PARALLEL_MODES, PRECISION_SETTINGS, DataParallelMode, PrecisionSetting
 from . import loader
@@ -49,7 +50,7 @@ def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 @dataclass
 class ParallelConfig:
     tp: int = 1                  # tensor-parallel size t (one node's GPUs on a cluster)
-    dp: int | None = None        # data-parallel size; None = world size / tp
+    dp: int | None = None        # data-parallel size; None = world size / (pp x cp x tp)
     pp: int = 1                  # pipeline stages p (outermost: each stage is dp x tp consecutive ranks)
     virtual_stages: int = 1      # model chunks m per pipeline rank (the interleaved schedule)
     timeout_minutes: float = 10  # a collective waiting longer fails the job instead of hanging it
@@ -66,9 +67,15 @@ class ParallelConfig:
     # pipeline schedule: None = "1F1B" when virtual_stages is 1, else "Interleaved1F1B"; "GPipe"
     # (all forwards, then all backwards) for comparison
     pp_schedule: Literal["1F1B", "Interleaved1F1B", "GPipe"] | None = None
+    # context parallelism: each sequence cut into 2*cp chunks, CP rank r holding chunks r and
+    # 2cp-1-r (the mesh is pp x dp x cp x tp); attention exchanges K/V over cp by one all-gather
+    # ("allgather") or by a ring of point-to-point steps overlapped with the blocks ("ring")
+    cp: int = 1
+    cp_comm: CPComm = "allgather"
 
     def validate(self) -> None:
-        for name in ("tp", "dp", "pp", "virtual_stages"):
+        check_choice("parallel.cp_comm", self.cp_comm, CP_COMMS)
+        for name in ("tp", "dp", "pp", "virtual_stages", "cp"):
             check_at_least(f"parallel.{name}", getattr(self, name), 1)
         check_number("parallel.timeout_minutes", self.timeout_minutes, "> 0")
         check_number("parallel.bucket_mib", self.bucket_mib, "> 0")
@@ -82,7 +89,7 @@ class ParallelConfig:
         without pipeline stages)."""
         if self.data_parallel is not None:
             return self.data_parallel
-        return "fsdp" if dp > 1 and self.pp == 1 else "ddp"
+        return "fsdp" if dp > 1 and self.pp == 1 and self.cp == 1 else "ddp"
 
 
 @dataclass
@@ -208,6 +215,24 @@ class RunConfig:
                              "recompute must fit); set it, or choose model.recompute none|selective|full")
         self._validate_pipeline()
         self.model.check_parallel(self.parallel.tp)
+        self._validate_context()
+
+    def _validate_context(self) -> None:
+        """Context parallelism: the sequence into 2*cp chunks (over t under SP); what cp does not
+        compose with yet is refused here, naming the keys."""
+        pc, mc = self.parallel, self.model
+        if pc.cp == 1:
+            return
+        try:
+            check_context_layout(mc.seq_len, pc.cp, pc.tp, mc.sequence_parallel)
+        except ValueError as e:
+            raise ValueError(f"model.seq_len / parallel.cp: {e}") from None
+        if mc.attention_dropout > 0:
+            raise ValueError(f"model.attention_dropout={mc.attention_dropout} with parallel.cp={pc.cp} is not "
+                             f"supported yet; set model.attention_dropout=0")
+        if pc.pp > 1 and pc.cp_comm != "allgather":
+            raise ValueError(f"parallel.cp_comm={pc.cp_comm} with parallel.pp={pc.pp} is not supported yet: "
+                             f"pipeline stages exchange K/V by allgather (set parallel.cp_comm=allgather)")
 
     def _validate_pipeline(self) -> None:
         """Pipeline stages: L divisible into pp x virtual_stages stages, a schedule that fits m."""

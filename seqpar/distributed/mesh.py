@@ -1,9 +1,11 @@
-"""Process groups: a ``pp x dp x tp`` mesh over torch's DeviceMesh.
+"""Process groups: a ``pp x dp x cp x tp`` mesh over torch's DeviceMesh.
 
-Ranks are laid out tp-fastest, then dp, then pp: global rank ``r`` has ``tp_rank = r % tp``,
-``dp_rank = (r // tp) % dp`` and ``pp_rank = r // (tp * dp)``, so a TP group is ``tp``
-consecutive ranks (one node on a GPU cluster, where NVLink carries the per-layer all-gathers
-and reduce-scatters) and a pipeline stage is ``dp * tp`` consecutive ranks.
+Ranks are laid out tp-fastest, then cp, then dp, then pp: global rank ``r`` has ``tp_rank = r %
+tp``, ``cp_rank = (r // tp) % cp``, ``dp_rank = (r // (tp * cp)) % dp`` and ``pp_rank = r //
+(tp * cp * dp)``, so a TP group is ``tp`` consecutive ranks (one node on a GPU cluster, where
+NVLink carries the per-layer all-gathers and reduce-scatters), a CP group (context parallelism:
+each rank holds ``s/cp`` of every sequence) the next dimension out, and a pipeline stage is
+``dp * cp * tp`` consecutive ranks.
 """
 from __future__ import annotations
 
@@ -21,10 +23,10 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 class ParallelMesh:
     """Who this rank is in the ``pp x dp x tp`` layout, and the groups to talk to its peers.
 
-    ``tp_group`` / ``dp_group`` / ``pp_group`` are ``None`` when that dimension has size 1, so
-    layers built with them are plain single-rank layers. ``device_mesh`` is torch's
-    ``DeviceMesh`` with dims ``("pp", "dp", "tp")`` (``None`` for a mesh built without one):
-    FSDP2 shards over ``device_mesh["dp"]``, checkpoints describe tensors on it.
+    ``tp_group`` / ``dp_group`` / ``pp_group`` / ``cp_group`` are ``None`` when that dimension
+    has size 1, so layers built with them are plain single-rank layers. ``device_mesh`` is
+    torch's ``DeviceMesh`` with dims ``("pp", "dp", "cp", "tp")`` (``None`` for a mesh built
+    without one): FSDP2 shards over ``dp`` (x ``cp``), checkpoints describe tensors on it.
     """
 
     tp_size: int
@@ -39,7 +41,10 @@ class ParallelMesh:
     pp_size: int = 1
     pp_rank: int = 0
     pp_group: dist.ProcessGroup | None = None
-    device_mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh ("pp", "dp", "tp")
+    device_mesh: object | None = None  # torch.distributed.device_mesh.DeviceMesh ("pp", "dp", "cp", "tp")
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: dist.ProcessGroup | None = None
 
     @property
     def dp_mesh(self):
@@ -47,6 +52,14 @@ class ParallelMesh:
         if self.device_mesh is None:
             raise ValueError("this ParallelMesh was built without a DeviceMesh; build it with init_parallel()")
         return self.device_mesh["dp"]
+
+    @property
+    def dp_cp_mesh(self):
+        """The 1-D ``DeviceMesh`` over this rank's dp x cp ranks (FSDP2 with context parallelism:
+        the cp ranks hold the same parameters, so they shard them too); ``dp_mesh`` when cp = 1."""
+        if self.cp_size == 1:
+            return self.dp_mesh
+        return self.device_mesh["dp", "cp"]._flatten("dp_cp")
 
     @property
     def is_last_stage(self) -> bool:
@@ -78,15 +91,20 @@ class ParallelMesh:
 
     def __repr__(self) -> str:
         pp = f"pp={self.pp_rank}/{self.pp_size}, " if self.pp_size > 1 else ""
+        pp += f"cp={self.cp_rank}/{self.cp_size}, " if self.cp_size > 1 else ""
         return (f"ParallelMesh(rank={self.rank}/{self.world_size}, {pp}tp={self.tp_rank}/{self.tp_size}, "
                 f"dp={self.dp_rank}/{self.dp_size}, device={self.device})")
 
 
-def validate_layout(tp: int, dp: int | None, world_size: int, pp: int = 1) -> int:
-    """Check ``pp * dp * tp == world_size`` (inferring ``dp`` when ``None``); return ``dp``.
+def validate_layout(tp: int, dp: int | None, world_size: int, pp: int = 1, cp: int = 1) -> int:
+    """Check ``pp * dp * cp * tp == world_size`` (inferring ``dp`` when ``None``); return ``dp``.
 
     Pure arithmetic: every rank raises the same error before any collective is issued.
     """
+    if cp != 1:
+        if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+            raise ValueError(f"cp must be a positive integer, got cp={cp!r}")
+        return _validate_with_cp(tp, dp, world_size, pp, cp)
     for name, value in (("tp", tp), ("pp", pp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
@@ -104,6 +122,25 @@ def validate_layout(tp: int, dp: int | None, world_size: int, pp: int = 1) -> in
                              f"world size = {world_size}")
         raise ValueError(f"pp * dp * tp must equal the world size: pp={pp} x dp={dp} x tp={tp} = "
                          f"{pp * dp * tp}, world size = {world_size}")
+    return dp
+
+
+def _validate_with_cp(tp: int, dp: int | None, world_size: int, pp: int, cp: int) -> int:
+    """:func:`validate_layout` with context parallelism: ``pp * dp * cp * tp == world_size``."""
+    for name, value in (("tp", tp), ("pp", pp)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
+    fixed = pp * cp * tp
+    if dp is None:
+        if world_size % fixed:
+            raise ValueError(f"world size {world_size} is not divisible by pp x cp x tp = {pp} x {cp} x {tp} = "
+                             f"{fixed}; pp * dp * cp * tp must equal the world size")
+        return world_size // fixed
+    if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
+        raise ValueError(f"dp must be a positive integer, got dp={dp!r}")
+    if dp * fixed != world_size:
+        raise ValueError(f"pp * dp * cp * tp must equal the world size: pp={pp} x dp={dp} x cp={cp} x tp={tp} = "
+                         f"{dp * fixed}, world size = {world_size}")
     return dp
 
 
@@ -177,11 +214,11 @@ def _init_default_group(backend: str, device: torch.device, world_size: int, ran
     dist.init_process_group(**kwargs)
 
 
-def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, rank: int | None = None,
+def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, cp: int = 1, rank: int | None = None,
                   world_size: int | None = None, init_method: str | None = None,
                   backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT,
                   device: str | torch.device | None = None) -> ParallelMesh:
-    """Initialise (if needed) the default process group and build the ``pp x dp x tp`` mesh.
+    """Initialise (if needed) the default process group and build the ``pp x dp x cp x tp`` mesh.
 
     Under torchrun, ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` come from the environment.
     Tests pass ``rank``, ``world_size`` and a ``file://`` ``init_method`` explicitly. With no
@@ -200,12 +237,13 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, rank: int 
     launched = dist.is_initialized() or "WORLD_SIZE" in os.environ or world_size is not None
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    if not launched and tp * pp > 1:
-        raise ValueError(f"init_parallel(tp={tp}{f', pp={pp}' if pp > 1 else ''}) needs {tp * pp * (dp or 1)} "
-                         f"processes, but this is a single process started without torchrun: start it with "
-                         f"`torchrun --nproc-per-node {tp * pp * (dp or 1)} SCRIPT.py` (or `seqpar train ... "
-                         f"--nproc-per-node N`)")
-    dp = validate_layout(tp, dp, world_size, pp)
+    if not launched and tp * pp * cp > 1:
+        n = tp * pp * cp * (dp or 1)
+        extra = (f", pp={pp}" if pp > 1 else "") + (f", cp={cp}" if cp > 1 else "")
+        raise ValueError(f"init_parallel(tp={tp}{extra}) needs {n} processes, but this is a single process started "
+                         f"without torchrun: start it with `torchrun --nproc-per-node {n} SCRIPT.py` (or "
+                         f"`seqpar train ... --nproc-per-node N`)")
+    dp = validate_layout(tp, dp, world_size, pp, cp)
     backend = _choose_backend(backend)
     device = _rank_device(backend) if device is None else _explicit_device(device, backend)
 
@@ -217,20 +255,16 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, rank: int 
 
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    g_rank = dist.get_rank()
-    return ParallelMesh(
-        tp_size=tp,
-        dp_size=dp,
-        tp_rank=mesh.get_local_rank("tp"),
-        dp_rank=mesh.get_local_rank("dp"),
-        rank=g_rank,
-        world_size=world_size,
-        device=device,
-        tp_group=mesh.get_group("tp") if tp > 1 else None,
-        dp_group=mesh.get_group("dp") if dp > 1 else None,
-        pp_size=pp,
-        pp_rank=mesh.get_local_rank("pp"),
-        pp_group=mesh.get_group("pp") if pp > 1 else None,
-        device_mesh=mesh,
-    )
+    mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
+    return _parallel_mesh(mesh, world_size, device)
+
+
+def _parallel_mesh(mesh, world_size: int, device: torch.device) -> ParallelMesh:
+    """This rank's :class:`ParallelMesh` of a ``("pp", "dp", "cp", "tp")`` DeviceMesh."""
+    size = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))
+    rank = {name: mesh.get_local_rank(name) for name in size}
+    group = {name: mesh.get_group(name) if size[name] > 1 else None for name in size}
+    return ParallelMesh(tp_size=size["tp"], dp_size=size["dp"], tp_rank=rank["tp"], dp_rank=rank["dp"],
+                        rank=dist.get_rank(), world_size=world_size, device=device, tp_group=group["tp"],
+                        dp_group=group["dp"], pp_size=size["pp"], pp_rank=rank["pp"], pp_group=group["pp"],
+                        device_mesh=mesh, cp_size=size["cp"], cp_rank=rank["cp"], cp_group=group["cp"])

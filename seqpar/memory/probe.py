@@ -60,10 +60,10 @@ class ActivationProbe:
             yield
         self.measured = ledger.total()
 
-    def line(self, cfg: GPTConfig, *, t: int, micro_batch: int, activation_bytes: int) -> str:
+    def line(self, cfg: GPTConfig, *, t: int, micro_batch: int, activation_bytes: int, cp: int = 1) -> str:
         """``activations: X MiB saved per rank, formula Y MiB (ratio R)``."""
         formula = model_activation_bytes(cfg, t=t, micro_batch=micro_batch, activation_bytes=activation_bytes,
-                                         device=self.device.type)["total"]
+                                         device=self.device.type, cp=cp)["total"]
         x = self.measured or 0
         return (f"activations: {x / 2**20:.2f} MiB saved per rank, formula {formula / 2**20:.2f} MiB "
                 f"(ratio {x / formula:.3f})")

@@ -17,6 +17,11 @@ the MLP width ``f`` from the config. RoPE adds nothing: it runs outside the sele
 recomputed region and returns the Q, K, V that attention keeps anyway. The fp32 logits have the
 padded vocabulary's columns. What the attention core keeps depends on its kernel
 (:func:`attention_kernel`; ``docs/memory.md``, "Per attention kernel").
+
+Context parallelism (``cp``): every term is one CP rank's ``s/cp`` tokens, and the context-parallel
+attention kernel (:mod:`seqpar.model.context_attention`) keeps, in every mode but full, Table 2's
+selective terms (its q, k, v and output) plus its fp32 log-sum-exp ``[b, a/t, s/cp]``; backward
+exchanges K/V again, so nothing of the other ranks' K/V is kept (``docs/context-parallel.md``).
 """
 from __future__ import annotations
 
@@ -58,12 +63,13 @@ def _core_terms(cfg: GPTConfig, kernel: str, *, sbh: Fraction, scores: Fraction,
 
 
 def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: bool,
-                device: str = "cuda") -> dict[str, Fraction]:
+                device: str = "cuda", cp: int = 1) -> dict[str, Fraction]:
     """One layer's kept tensors in bytes as this config runs it on ``device``: Table 2's terms
     (:func:`seqpar.memory.formulas.activation_breakdown`'s names) at ``act``-byte activations, the
     dropout masks (1 byte) only with dropout; without selective recompute, what the attention
     kernel (:func:`attention_kernel`) keeps: for math the ``[b, a, s, s]`` terms (the softmax-dropout
-    ones only with attention dropout)."""
+    ones only with attention dropout). ``cp > 1``: ``s`` is one CP rank's tokens and the core is
+    the context-parallel kernel's (Table 2's selective terms and the log-sum-exp, in any mode)."""
     sbh, scores = Fraction(s * b * cfg.hidden), Fraction(cfg.heads * s * s * b)
     rep = t if cfg.sequence_parallel else 1  # the terms plain TP leaves replicated: SP splits them too
     u = Fraction(act, 2)  # Table 2 counts 2-byte activations
@@ -74,7 +80,9 @@ def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: 
                 terms[name] = k * sbh / rep
         else:
             terms[name] = k * sbh * u / (t if shard == "tp" else rep)
-    if not selective:
+    if cp > 1:  # fp32 log-sum-exp [b, a/t, s/cp]; no s x s term in any mode
+        terms["attention_logsumexp"] = 4 * cfg.heads * (sbh / cfg.hidden) / t
+    elif not selective:
         terms.update(_core_terms(cfg, attention_kernel(cfg, device), sbh=sbh, scores=scores, t=t, u=u, device=device))
     return terms
 
@@ -88,23 +96,25 @@ def outside_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, in_flight
                                 in_flight=in_flight, first=first, last=last)
 
 
-def layer_bytes(cfg: GPTConfig, mode: str, *, s: int, b: int, t: int, act: int, device: str = "cuda") -> Fraction:
+def layer_bytes(cfg: GPTConfig, mode: str, *, s: int, b: int, t: int, act: int, device: str = "cuda",
+                cp: int = 1) -> Fraction:
     """Bytes one layer of ``cfg`` keeps for one micro-batch under recompute ``mode`` on ``device``;
-    ``full``: the input of a checkpointed unit (one per unit, however many layers it holds)."""
+    ``full``: the input of a checkpointed unit (one per unit, however many layers it holds).
+    ``cp``: context parallelism, ``s`` being one CP rank's tokens."""
     if mode == "full":
         return Fraction(s * b * cfg.hidden * act, t if cfg.sequence_parallel else 1)
-    terms = layer_terms(cfg, s=s, b=b, t=t, act=act, selective=mode == "selective", device=device)
+    terms = layer_terms(cfg, s=s, b=b, t=t, act=act, selective=mode == "selective", device=device, cp=cp)
     return sum(terms.values(), Fraction(0))
 
 
 def model_activation_bytes(cfg: GPTConfig, *, t: int, micro_batch: int, activation_bytes: int = 2,
-                           seq_len: int | None = None, device: str = "cuda") -> dict[str, int]:
+                           seq_len: int | None = None, device: str = "cuda", cp: int = 1) -> dict[str, int]:
     """Bytes one rank keeps for backward for one micro-batch of ``cfg`` at TP size ``t`` on a
     ``device`` ("cuda" or "cpu": the attention kernel sdpa picks): ``{"layers": ..., "outside_layers":
     ..., "total": ...}``. ``activation_bytes``: 2 for bf16 activations, 4 for fp32 (dropout masks stay
-    1 byte)."""
-    dims = dict(s=seq_len or cfg.seq_len, b=micro_batch, t=t, act=activation_bytes)
-    per = dict(dims, device=device)
+    1 byte). ``cp``: per CP rank under context parallelism (``s/cp`` tokens of each sequence)."""
+    dims = dict(s=(seq_len or cfg.seq_len) // cp, b=micro_batch, t=t, act=activation_bytes)
+    per = dict(dims, device=device, cp=cp)
     modes = cfg.layer_recompute()  # model.recompute_layers: one mode per layer, each full layer its own unit
     if modes is not None:
         layers = sum(layer_bytes(cfg, m, **per) for m in modes)

@@ -17,10 +17,12 @@ import math
 import torch
 import torch.nn as nn
 
+from ..distributed.context import ContextParallel
 from ..distributed.rng import RNGStreams
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..recompute import checkpoint, replayable_sdpa
 from .config import GPTConfig
+from .context_attention import context_attention
 from .rope import RopeTables, RotaryEmbedding
 
 # scaled_dot_product_attention(..., enable_gqa=True) exists from PyTorch 2.5
@@ -85,10 +87,12 @@ class CoreAttention(nn.Module):
 class SelfAttention(nn.Module):
     """``[s/t, b, h]`` (SP) or ``[s, b, h]`` -> same shape. QKV all-gathers the sequence under SP
     (inside the column layer), RoPE (``position="rope"``) rotates this rank's q and k heads on the
-    full sequence, the projection reduce-scatters it back."""
+    full sequence, the projection reduce-scatters it back. Under context parallelism (``cp``) the
+    sequence is this CP rank's ``s/cp`` tokens and attention exchanges K/V over cp
+    (:mod:`seqpar.model.context_attention`, which keeps no ``s x s`` term in any recompute mode)."""
 
     def __init__(self, config: GPTConfig, tp_group, streams: RNGStreams, layer_std: tuple[float, float],
-                 rope: RopeTables | None = None):
+                 rope: RopeTables | None = None, cp: ContextParallel | None = None):
         super().__init__()
         t = self.t = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
         h, dt, sp = config.hidden, config.torch_dtype, config.sequence_parallel
@@ -104,7 +108,8 @@ class SelfAttention(nn.Module):
         self.qkv = ColumnParallelLinear(h, (a + 2 * g) * d, bias=config.bias, tp_group=tp_group, sequence_parallel=sp,
                                         dtype=dt, init_method=lambda w: nn.init.normal_(w, 0.0, std), chunks=chunks,
                                         groups=groups)
-        self.rope = None if rope is None else RotaryEmbedding(rope, a // t, kv_local, d)
+        self.cp = cp if cp is not None and cp.size > 1 else None
+        self.rope = None if rope is None else RotaryEmbedding(rope, a // t, kv_local, d, self.cp)
         self.core = CoreAttention(config, streams)
         self.proj = RowParallelLinear(h, h, bias=config.bias, tp_group=tp_group, sequence_parallel=sp, dtype=dt,
                                       init_method=lambda w: nn.init.normal_(w, 0.0, out_std))
@@ -117,7 +122,9 @@ class SelfAttention(nn.Module):
         a, g, d = self.local_heads, self.local_kv_heads, self.head_dim
         q, k, v = qkv.split((a * d, g * d, g * d), dim=-1)
         q, k, v = q.view(s, b, a, d), k.view(s, b, g, d), v.view(s, b, g, d)  # views of one buffer
-        if self.recompute:
+        if self.cp is not None:
+            ctx = context_attention(q, k, v, self.cp, self.core.scale)
+        elif self.recompute:
             ctx = checkpoint(self.core, q, k, v, streams=self.streams)  # keeps only q, k, v
         else:
             ctx = self.core(q, k, v)

@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from .. import sharding
 from ..distributed.collectives import check_group, group_rank, group_size
+from ..distributed.context import CPComm, check_context_layout
 from ..distributed.mesh import ParallelMesh
 from ..distributed.rng import RNGStreams
 from ..layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy
@@ -25,6 +26,7 @@ from ..recompute import checkpoint, full_recompute_plan, layer_recompute_plan
 from ..sharding import mark_sp_replicated
 from .attention import SelfAttention
 from .config import RECOMPUTE_MODES, GPTConfig
+from .context import build_context, context_mean_loss, position_rows, split_batch, stream_rank
 from .mlp import MLP
 from .norm import make_norm
 from .rope import RopeTables
@@ -53,12 +55,12 @@ class Block(nn.Module):
     ``ln1``/``ln2`` are LayerNorms or RMSNorms (``config.norm``)."""
 
     def __init__(self, config: GPTConfig, tp_group, streams: RNGStreams, layer_std: tuple[float, float],
-                 rope: RopeTables | None = None):
+                 rope: RopeTables | None = None, cp: ContextParallel | None = None):
         super().__init__()
         h, dt, eps = config.hidden, config.torch_dtype, config.layernorm_eps
         stream = "tp" if config.sequence_parallel else "replicated"  # SP: each rank holds other tokens
         self.ln1 = make_norm(config.norm, h, eps, dt)
-        self.attn = SelfAttention(config, tp_group, streams, layer_std, rope)
+        self.attn = SelfAttention(config, tp_group, streams, layer_std, rope, cp)
         self.attn_dropout = Dropout(config.dropout, streams, stream)
         self.ln2 = make_norm(config.norm, h, eps, dt)
         self.mlp = MLP(config, tp_group, layer_std)
@@ -102,19 +104,22 @@ class GPT(nn.Module):
     """
 
     def __init__(self, config: GPTConfig, mesh: ParallelMesh | None = None, seed: int = 0, *,
-                 build_layers: Collection[int] | None = None):
+                 build_layers: Collection[int] | None = None, cp_comm: CPComm = "allgather"):
         """``build_layers``: build only these transformer layers (a pipeline rank's stages; the
         others are placeholders holding nothing, and this GPT's own forward refuses to run). Each
-        layer draws its weights from its own seed, so a layer is the same whichever are built."""
+        layer draws its weights from its own seed, so a layer is the same whichever are built.
+        ``cp_comm``: how attention exchanges K/V over ``mesh``'s cp group (``"allgather"`` or
+        ``"ring"``; unused when ``mesh.cp_size == 1``)."""
         super().__init__()
         mesh = mesh or ParallelMesh.single()
         t = mesh.tp_size
         config.check_parallel(t)  # before any collective, on every rank
         check_group(mesh.tp_group, "GPT")
+        self.cp = build_context(config, mesh, cp_comm)
         config = dataclasses.replace(config)  # the model's own copy: set_recompute never edits the caller's
         self.config, self.mesh = config, mesh
         self.tp_group, self.tp_size, self.tp_rank = mesh.tp_group, t, group_rank(mesh.tp_group)
-        self.rng = RNGStreams(seed, tp_rank=self.tp_rank, device=mesh.device)
+        self.rng = RNGStreams(seed, tp_rank=stream_rank(mesh), device=mesh.device)
         h, dt, sp, std = config.hidden, config.torch_dtype, config.sequence_parallel, config.init_std
         layer_std = (std, std / math.sqrt(2 * config.layers))
         embed_stream = "tp" if sp else "replicated"
@@ -154,7 +159,7 @@ class GPT(nn.Module):
         if build is not None and i not in build:
             return NotBuilt(i)
         torch.default_generator.manual_seed(layer_seed(seed, i))
-        return Block(self.config, self.tp_group, self.rng, layer_std, rope)
+        return Block(self.config, self.tp_group, self.rng, layer_std, rope, self.cp)
 
     def _apply(self, fn, recurse: bool = True):
         """``.to()`` / ``.cuda()`` / ``.half()`` ...: the dropout streams follow the parameters' device."""
@@ -198,7 +203,9 @@ class GPT(nn.Module):
         s = tokens.shape[1]
         if s > self.config.seq_len:
             raise ValueError(f"sequence length {s} exceeds config.seq_len={self.config.seq_len}")
-        if self.config.sequence_parallel and s % self.tp_size:
+        if self.cp.size > 1:
+            check_context_layout(s, self.cp.size, self.tp_size, self.config.sequence_parallel)
+        elif self.config.sequence_parallel and s % self.tp_size:
             raise ValueError(f"sequence length {s} is not divisible by t={self.tp_size} (sequence parallelism)")
         v = self.config.vocab_size  # the padded rows must never be looked up (CUDA: left to the data checks)
         on_cpu = tokens.device.type == "cpu" and not torch.compiler.is_compiling()
@@ -211,11 +218,12 @@ class GPT(nn.Module):
         if labels is not None and labels.shape != tokens.shape:
             raise ValueError(f"labels shape {tuple(labels.shape)} must equal tokens shape {tuple(tokens.shape)}")
         sp = self.config.sequence_parallel
-        x = self.wte(tokens.t())                                    # [s/t, b, h] (SP) or [s, b, h]
+        tokens, labels = split_batch(tokens, labels, self.cp)       # [b, s/cp]: this CP rank's chunks
+        x = self.wte(tokens.t())                                    # [s/(cp t), b, h] (SP) or [s/cp, b, h]
         if self.wpe is not None:  # learned positions; RoPE acts on q and k inside attention instead
             n = x.shape[0]
             start = self.tp_rank * n if sp else 0
-            x = x + self.wpe.weight[start:start + n].unsqueeze(1)   # positions of this rank's rows
+            x = x + position_rows(self.wpe.weight, tokens.shape[1], start, n, self.cp)  # this rank's rows
         x = self.drop(x)
         for begin, end, ckpt in self.runs:
             if ckpt:
@@ -228,7 +236,10 @@ class GPT(nn.Module):
         v = self.config.vocab_size
         if labels is None:  # padded columns -inf: sampling and argmax never pick them
             return mask_padded_logits(logits, v, self.vocab_start).transpose(0, 1)  # [b, s, v_pad/t]
-        return vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group, vocab_size=v)
+        if self.cp.size == 1:
+            return vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group, vocab_size=v)
+        summed = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group, vocab_size=v, reduction="sum")
+        return context_mean_loss(summed, labels, self.cp)  # the mean over the whole sequence, reduced over cp once
 
     # ------------------------------------------------------------------ dense state dict
     def to_dense(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

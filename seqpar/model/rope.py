@@ -20,6 +20,7 @@ import math
 import torch
 import torch.nn as nn
 
+from ..distributed.context import ContextParallel, context_positions
 from .config import GPTConfig, RopeScaling
 
 
@@ -75,6 +76,7 @@ class RopeTables:
     def __init__(self, config: GPTConfig):
         self.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)  # [d/2] fp32
         self._key, self._tables = None, None
+        self._cp_key, self._cp_tables = None, None
 
     def get(self, s: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[s, 1, 1, d]`` of positions ``0 .. s-1``, fp32 math cast to ``dtype``."""
@@ -86,16 +88,33 @@ class RopeTables:
             self._key = key
         return self._tables
 
+    def get_context(self, s_local: int, cp: ContextParallel, dtype: torch.dtype, device: torch.device):
+        """cos and sin ``[s/cp, 1, 1, d]`` at the positions of CP rank ``cp.rank``'s tokens
+        (:func:`~seqpar.distributed.context.context_positions` of ``s = s_local * cp``)."""
+        key = (s_local, cp.rank, cp.size, dtype, device)
+        if self._cp_key != key:
+            s = s_local * cp.size
+            cos, sin = self.get(s, dtype, device)
+            pos = context_positions(s, cp.rank, cp.size, device)
+            self._cp_tables, self._cp_key = (cos.index_select(0, pos), sin.index_select(0, pos)), key
+        return self._cp_tables
+
 
 class RotaryEmbedding(nn.Module):
-    """Applies RoPE to a fused QKV output ``[s, b, (a+2g)/t * d]`` (this rank's heads, full sequence)."""
+    """Applies RoPE to a fused QKV output ``[s, b, (a+2g)/t * d]`` (this rank's heads, full sequence;
+    under context parallelism ``cp``, this CP rank's ``s/cp`` tokens at their own positions)."""
 
-    def __init__(self, tables: RopeTables, q_heads: int, kv_heads: int, head_dim: int):
+    def __init__(self, tables: RopeTables, q_heads: int, kv_heads: int, head_dim: int,
+                 cp: ContextParallel | None = None):
         super().__init__()
         self.tables, self.q_heads, self.kv_heads, self.head_dim = tables, q_heads, kv_heads, head_dim
+        self.cp = cp if cp is not None and cp.size > 1 else None
 
     def forward(self, qkv: torch.Tensor) -> torch.Tensor:
-        cos, sin = self.tables.get(qkv.shape[0], qkv.dtype, qkv.device)
+        if self.cp is not None:
+            cos, sin = self.tables.get_context(qkv.shape[0], self.cp, qkv.dtype, qkv.device)
+        else:
+            cos, sin = self.tables.get(qkv.shape[0], qkv.dtype, qkv.device)
         return _RotaryQKV.apply(qkv, cos, sin, self.q_heads, self.kv_heads, self.head_dim)
 
     def extra_repr(self) -> str:

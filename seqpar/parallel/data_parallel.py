@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.nn as nn
 
+from ..distributed.collectives import all_reduce_coalesced
 from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh
 from ..sharding import local_tensor
@@ -36,11 +37,15 @@ class DataParallel:
         if mode not in DATA_PARALLEL_MODES:
             raise ValueError(f"parallel.data_parallel must be one of {list(DATA_PARALLEL_MODES)}, got {mode!r}")
         self.model, self.mesh, self.mode = model, mesh, mode
-        self.sharded = mode == "fsdp" and mesh.dp_size > 1
+        # fsdp shards over dp x cp (the CP ranks hold the same parameters), as torchtitan does
+        self.sharded = mode == "fsdp" and mesh.dp_size * mesh.cp_size > 1
         self.master_weights = master_weights  # ddp + the bf16 recipe: fp32 grads reduced here
         self.buckets = None  # ddp + the bf16 recipe: GradBuckets, reduced while backward runs
+        self.norm_group = mesh.dp_group  # the ranks whose gradients differ: dp, or dp x cp when sharded
         if self.sharded:
-            self.module = apply_fsdp(model, mesh.dp_mesh, reshard_after_forward=reshard_after_forward,
+            shard_mesh = mesh.dp_cp_mesh
+            self.norm_group = shard_mesh.get_group() if mesh.cp_size > 1 else mesh.dp_group
+            self.module = apply_fsdp(model, shard_mesh, reshard_after_forward=reshard_after_forward,
                                      precision=precision)
         elif mesh.dp_size > 1 and master_weights:
             self.module, self.buckets = model, GradBuckets(model, mesh.dp_group, bucket_mib)
@@ -71,11 +76,16 @@ class DataParallel:
 
     def after_backward(self) -> None:
         """Once per optimizer step, after the last backward: the bf16 recipe's fp32 gradients
-        averaged over dp (ddp), then SP-replicated gradients summed over TP (on the dp shards
-        under fsdp)."""
+        averaged over dp (ddp), the CP ranks' shares summed over cp (context parallelism), then
+        SP-replicated gradients summed over TP (on the dp shards under fsdp)."""
         tp = self.mesh.tp_group
         if self.buckets is not None:
             self.buckets.finish()
+        cp, grads = self.mesh.cp_size, [p.grad for p in self.model.parameters() if p.grad is not None]
+        if cp > 1 and not self.sharded:  # each CP rank holds its tokens' share: sum once
+            all_reduce_coalesced(grads, self.mesh.cp_group)
+        elif cp > 1:  # FSDP averaged the shares over dp x cp: they are a sum over cp, a mean over dp only
+            torch._foreach_mul_([local_tensor(g) for g in grads], float(cp))
         if self.sharded:
             sync_sharded_sp_grads(self.model, tp)
         else:
@@ -83,7 +93,7 @@ class DataParallel:
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm of the full model before clipping (clipped in place when > 0)."""
-        return clip_grad_norm(self.model, max_norm, tp_group=self.mesh.tp_group, dp_group=self.mesh.dp_group,
+        return clip_grad_norm(self.model, max_norm, tp_group=self.mesh.tp_group, dp_group=self.norm_group,
                               device=self.mesh.device)
 
 

@@ -130,6 +130,7 @@ class PipelineParallel:
         cfg, t = self.config, self.mesh.tp_size
         if not output and part.is_first:
             return torch.empty((rows, seq), dtype=torch.long, device="meta")
+        seq //= self.mesh.cp_size  # what a stage passes on: this CP rank's tokens
         if output and part.is_last:
             shape = (seq, rows, cfg.padded_vocab(t) // t)
         else:
@@ -214,6 +215,8 @@ class PipelineParallel:
         tied copies summed over the first/last pair, then (``reduce_dp``) the mean over DP."""
         sync_sp_replicated_grads(self.module, self.mesh.tp_group)
         sum_tied_grads(self.tied_parameters(), self.tied_group)
+        if self.mesh.cp_size > 1:  # each CP rank holds its tokens' share: summed once
+            all_reduce_coalesced([p.grad for p in self.parameters() if p.grad is not None], self.mesh.cp_group)
         if self.reduce_dp and self.mesh.dp_size > 1:
             grads = [p.grad for p in self.parameters() if p.grad is not None]
             all_reduce_coalesced(grads, self.mesh.dp_group, mean=True)

@@ -85,7 +85,7 @@ class PipelineEngine(StepEngine):
         mc, pc, tc = self.cfg.model, self.cfg.parallel, self.cfg.train
         kept = model_activation_bytes(mc, t=self.mesh.tp_size, micro_batch=tc.micro_batch,
                                       activation_bytes=self.precision.activation_bytes,
-                                      device=self.mesh.device.type)["layers"]
+                                      device=self.mesh.device.type, cp=self.mesh.cp_size)["layers"]
         per_layer = kept / mc.layers  # Table 2's bytes per layer as this config runs them
         layers = layers_in_flight(self.schedule, pp_rank=self.mesh.pp_rank, pp=self.mesh.pp_size,
                                   virtual_stages=pc.virtual_stages, layers=mc.layers,

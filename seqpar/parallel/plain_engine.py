@@ -26,13 +26,15 @@ class PlainEngine(StepEngine):
     def __init__(self, cfg: RunConfig, mesh: ParallelMesh, *, accum: int, precision: PrecisionRecipe,
                  probe: Callable[[nn.Module, torch.device], ActivationProbe] | None = None):
         self.cfg, self.mesh, self.accum, self.precision = cfg, mesh, accum, precision
-        self.model = GPT(cfg.model, mesh, seed=cfg.train.seed)
+        self.model = GPT(cfg.model, mesh, seed=cfg.train.seed, cp_comm=cfg.parallel.cp_comm)
         mode = cfg.parallel.data_parallel_mode(mesh.dp_size)
         self.data_parallel = DataParallel(self.model, mesh, mode, precision=precision.name,
                                           master_weights=precision.master_weights,
                                           reshard_after_forward=cfg.parallel.reshard_after_forward,
                                           bucket_mib=cfg.parallel.bucket_mib)
-        self.module, self.parts, self.full_model = self.model, [self.model], self.model
+        # under context parallelism this rank's forward sees its own chunks only: no sampling here
+        self.module, self.parts = self.model, [self.model]
+        self.full_model = self.model if mesh.cp_size == 1 else None
         self.probe = probe(self.model, mesh.device) if probe is not None else None
 
     def _measure(self):
@@ -75,7 +77,7 @@ class PlainEngine(StepEngine):
 
     def memory_line(self) -> str:
         return self.probe.line(self.cfg.model, t=self.mesh.tp_size, micro_batch=self.cfg.train.micro_batch,
-                               activation_bytes=self.precision.activation_bytes)
+                               activation_bytes=self.precision.activation_bytes, cp=self.mesh.cp_size)
 
 
 __all__ = ["PlainEngine"]

@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..distributed.rng import RNGStreams
 from ..layers import column_parallel_linear, vocab_parallel_cross_entropy
 from ..model.config import GPTConfig
+from ..model.context import context_mean_loss, position_rows, split_batch, stream_rank
 from ..model.gpt import GPT
 from ..model.vocab import trim_rows
 from ..recompute import RECOMPUTE_MODES, checkpoint, full_recompute_plan, layer_recompute_plan
@@ -68,8 +69,10 @@ class StageModule(nn.Module):
         self.config, self.index, self.num_stages = cfg, index, num_stages
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.tp_group, self.tp_size, self.tp_rank = model.tp_group, model.tp_size, model.tp_rank
+        self.cp = model.cp  # context parallelism: the first stage keeps this CP rank's chunks
         self.layer_ids = stage_layers(cfg.layers, num_stages, index)
-        self.rng = RNGStreams(seed + STAGE_SEED_OFFSET * index, tp_rank=self.tp_rank, device=model.rng.device)
+        self.rng = RNGStreams(seed + STAGE_SEED_OFFSET * index, tp_rank=stream_rank(model.mesh),
+                              device=model.rng.device)
         self.wte = model.wte if (self.is_first or (self.is_last and model.lm_head is None)) else None
         self.wpe = model.wpe if self.is_first else None
         self.drop = model.drop if self.is_first else None
@@ -116,11 +119,12 @@ class StageModule(nn.Module):
             raise ValueError(f"the first stage expects tokens [batch, seq <= {cfg.seq_len}], got {tuple(tokens.shape)}")
         if tokens.device.type == "cpu" and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size):
             raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}) (vocab_size)")
-        x = self.wte(tokens.t())                                    # [s/t, b, h] (SP) or [s, b, h]
+        tokens = split_batch(tokens, None, self.cp)[0]              # [b, s/cp]: this CP rank's chunks
+        x = self.wte(tokens.t())                                    # [s/(cp t), b, h] (SP) or [s/cp, b, h]
         if self.wpe is not None:
             n = x.shape[0]
             start = self.tp_rank * n if cfg.sequence_parallel else 0
-            x = x + self.wpe.weight[start:start + n].unsqueeze(1)
+            x = x + position_rows(self.wpe.weight, tokens.shape[1], start, n, self.cp)
         return self.drop(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,9 +143,15 @@ class StageModule(nn.Module):
                                       sequence_parallel=self.config.sequence_parallel)  # [s, b, v_pad/t]
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of logits ``[s, b, v_pad/t]`` against labels ``[b, s]`` (identical on TP ranks)."""
-        return vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group,
-                                            vocab_size=self.config.vocab_size)
+        """Mean cross-entropy of logits ``[s, b, v_pad/t]`` against labels ``[b, s]`` (identical on TP
+        ranks; under cp the mean over the whole sequence, identical on CP ranks)."""
+        if self.cp.size == 1:
+            return vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group,
+                                                vocab_size=self.config.vocab_size)
+        labels = split_batch(labels, None, self.cp)[0]
+        summed = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group,
+                                              vocab_size=self.config.vocab_size, reduction="sum")
+        return context_mean_loss(summed, labels, self.cp)
 
     def to_dense(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This stage's per-parameter tensors -> the dense layout (vocabulary rows trimmed). A TP collective."""

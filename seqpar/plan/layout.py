@@ -1,4 +1,4 @@
-"""A layout: how one model is laid out on a cluster (t, p, m, dp, micro-batch, SP, recompute).
+"""A layout: how one model is laid out on a cluster (t, p, m, dp, cp, micro-batch, SP, recompute).
 
 Recompute is either uniform (``none``, ``selective`` or ``full`` with its method and N, as
 ``model.recompute`` takes it) or ``mixed``: a count of layers per mode for every pipeline stage
@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Literal
 
+from ..distributed.context import check_context_layout
 from ..model.config import GPTConfig
 from ..model.modes import (DATA_PARALLEL_MODES, RECOMPUTE_METHODS, RECOMPUTE_MODES, DataParallelMode, RecomputeMethod,
                            RecomputeMode)
@@ -60,13 +61,15 @@ class Layout:
     sequence_parallel: bool = True
     recompute: Recompute = Recompute()
     data_parallel: DataParallelMode = "ddp"
+    cp: int = 1                  # context parallelism: each sequence over cp ranks (s/cp each)
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     def label(self) -> str:
         dp = f"dp={self.dp}" + ("(fsdp)" if self.data_parallel == "fsdp" and self.dp > 1 else "")
+        dp += f" cp={self.cp}" if self.cp > 1 else ""
         return (f"t={self.tp} p={self.pp} m={self.virtual_stages} {dp} b={self.micro_batch} "
                 f"sp={'on' if self.sequence_parallel else 'off'} rc={self.recompute.label()}")
 
@@ -82,9 +85,10 @@ def micro_batches(layout: Layout, global_batch: int) -> int:
 
 def check_layout(layout: Layout, model: GPTConfig, gpus: int, global_batch: int, gpus_per_node: int) -> None:
     """Raise ``ValueError`` naming the offending values if ``layout`` cannot run ``model``."""
-    problems = []
+    problems = _context_problems(layout, model)
     if layout.gpus != gpus:
-        problems.append(f"tp x pp x dp = {layout.tp} x {layout.pp} x {layout.dp} = {layout.gpus} != --gpus {gpus}")
+        cp = f" x cp={layout.cp}" if layout.cp > 1 else ""
+        problems.append(f"tp x pp x dp{cp} = {layout.tp} x {layout.pp} x {layout.dp}{cp} = {layout.gpus} != --gpus {gpus}")
     if layout.tp > gpus_per_node or gpus_per_node % layout.tp:
         problems.append(f"tp={layout.tp} must divide --gpus-per-node {gpus_per_node} (TP stays inside a node)")
     chunks = layout.pp * layout.virtual_stages
@@ -116,7 +120,25 @@ def check_layout(layout: Layout, model: GPTConfig, gpus: int, global_batch: int,
         raise ValueError(f"layout {layout.label()}: " + "; ".join(problems))
 
 
-_KEYS = {"tp": int, "pp": int, "dp": int, "virtual_stages": int, "micro_batch": int, "sequence_parallel": bool,
+def _context_problems(layout: Layout, model: GPTConfig) -> list[str]:
+    """What context parallelism refuses, as the run config does (:mod:`seqpar.config.schema`)."""
+    if layout.cp == 1:
+        return []
+    problems = []
+    try:
+        check_context_layout(model.seq_len, layout.cp, layout.tp, layout.sequence_parallel)
+    except ValueError as err:
+        problems.append(str(err))
+    if layout.pp > 1:
+        problems.append(f"cp={layout.cp} with pp={layout.pp} is not modelled by the planner yet")
+    if layout.data_parallel == "fsdp":
+        problems.append(f"data_parallel=fsdp with cp={layout.cp} is not modelled by the planner yet")
+    if model.attention_dropout > 0:
+        problems.append(f"cp={layout.cp} needs attention_dropout 0 (got {model.attention_dropout})")
+    return problems
+
+
+_KEYS = {"tp": int, "cp": int, "pp": int, "dp": int, "virtual_stages": int, "micro_batch": int, "sequence_parallel": bool,
          "recompute": str, "recompute_method": str, "recompute_num_layers": int, "data_parallel": str}
 
 
@@ -149,9 +171,11 @@ def parse_layout(text: str, gpus: int) -> Layout:
         if not sep or key not in _KEYS:
             raise ValueError(f"--layout item {item!r}: expected key=value with key one of {sorted(_KEYS)}")
         values[key] = _value(key, raw.strip())
-    tp, pp = values.get("tp", 1), values.get("pp", 1)
-    if gpus % (tp * pp):
-        raise ValueError(f"--layout tp={tp} pp={pp}: tp x pp = {tp * pp} does not divide --gpus {gpus}")
+    tp, pp, cp = values.get("tp", 1), values.get("pp", 1), values.get("cp", 1)
+    if gpus % (tp * pp * cp):
+        what = f"tp={tp} pp={pp}: tp x pp = {tp * pp}" if cp == 1 else f"tp={tp} pp={pp} cp={cp}: tp x pp x cp = " \
+               f"{tp * pp * cp}"
+        raise ValueError(f"--layout {what} does not divide --gpus {gpus}")
     kind = values.get("recompute", "selective")
     if kind not in RECOMPUTE_MODES:
         raise ValueError(f"--layout recompute={kind!r}: expected one of {list(RECOMPUTE_MODES)}")
@@ -161,7 +185,7 @@ def parse_layout(text: str, gpus: int) -> Layout:
     dpm = values.get("data_parallel", "ddp")
     if dpm not in DATA_PARALLEL_MODES:
         raise ValueError(f"--layout data_parallel={dpm!r}: expected one of {list(DATA_PARALLEL_MODES)}")
-    return Layout(tp=tp, pp=pp, dp=values.get("dp", gpus // (tp * pp)),
+    return Layout(tp=tp, pp=pp, dp=values.get("dp", gpus // (tp * pp * cp)), cp=cp,
                   virtual_stages=values.get("virtual_stages", 1), micro_batch=values.get("micro_batch", 1),
                   sequence_parallel=values.get("sequence_parallel", tp > 1),
                   recompute=Recompute(kind, method, values.get("recompute_num_layers", 1)), data_parallel=dpm)

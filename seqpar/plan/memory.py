@@ -59,11 +59,11 @@ _PER_LAYER_CACHE: dict[tuple, dict[RecomputeMode, int]] = {}
 
 def per_layer_activations(model: GPTConfig, layout: Layout, precision: str = "bf16") -> dict[RecomputeMode, int]:
     """Bytes one layer keeps for backward for one micro-batch, per recompute mode (full: the unit input)."""
-    key = (dims.model_key(model), layout.tp, layout.sequence_parallel, layout.micro_batch, precision)
+    key = (dims.model_key(model), layout.tp, layout.sequence_parallel, layout.micro_batch, precision, layout.cp)
     if key not in _PER_LAYER_CACHE:
         cfg = dims.with_sequence_parallel(model, layout.sequence_parallel)
-        _PER_LAYER_CACHE[key] = {mode: round(layer_bytes(cfg, mode, s=model.seq_len, b=layout.micro_batch, t=layout.tp,
-                                                         act=ACTIVATION_BYTES[precision]))
+        _PER_LAYER_CACHE[key] = {mode: round(layer_bytes(cfg, mode, s=model.seq_len // layout.cp, b=layout.micro_batch,
+                                                         t=layout.tp, act=ACTIVATION_BYTES[precision], cp=layout.cp))
                                  for mode in RECOMPUTE_MODES}
     return _PER_LAYER_CACHE[key]
 
@@ -117,10 +117,13 @@ def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, pr
         working += unit * per["none"]
     elif counts["selective"]:
         working += per["none"] - per["selective"]
+    if layout.cp > 1:  # the CP kernel's fp32 scores, probabilities and their gradient of one [c, c] block
+        c = model.seq_len // (2 * layout.cp)
+        working += 3 * 4 * layout.micro_batch * (model.heads // layout.tp) * c * c
     parts = state_parts(model, layout, stage, precision)
     parts["activations"] = held * inflight_layers(layout, n_micro, stage)
     cfg = dims.with_sequence_parallel(model, layout.sequence_parallel)
-    outside = outside_terms(cfg, s=model.seq_len, b=layout.micro_batch, t=layout.tp, act=ACTIVATION_BYTES[precision],
+    outside = outside_terms(cfg, s=model.seq_len // layout.cp, b=layout.micro_batch, t=layout.tp, act=ACTIVATION_BYTES[precision],
                             in_flight=min(layout.pp, n_micro), first=stage == 0, last=stage == layout.pp - 1)
     parts["outside_layers"] = float(sum(outside.values()))
     parts["backward_transient"] = working

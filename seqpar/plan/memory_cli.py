@@ -21,6 +21,7 @@ from ..memory.state import state_table
 from ..model.config import GPTConfig
 from ..model.modes import DATA_PARALLEL_MODES, PRECISIONS
 from ..memory.whole_model import attention_kernel
+from .context_memory import cp_table
 from .memory_measure import (RANK_TIMEOUT_S, ROWS, RUN_TIMEOUT_S, first_stage_table, measure, measure_first_stage,
                              measured_formula, row_config)
 
@@ -158,6 +159,17 @@ def _print_first_stage(e: Entry) -> bool:
     return True
 
 
+def _print_cp(e: Entry, cp: int) -> bool:
+    """Print the per-rank activation table at context parallelism ``cp``; False (reported) when the
+    sequence does not split into ``2*cp`` chunks."""
+    try:
+        print(cp_table(e.model, t=e.shape.t, micro_batch=e.shape.b, cp=cp, name=e.shape.name) + "\n", flush=True)
+    except ValueError as ex:
+        err(f"{e.path}: --cp {cp}: {ex}")
+        return False
+    return True
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seqpar memory", description=(
         "Activation memory per technique: Table 2 bytes per layer, per GPU (Figure 1) and relative to "
@@ -170,6 +182,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--png", type=Path, metavar="PATH", help="write a Figure 7 style bar chart")
     p.add_argument("--micro-batch", type=int, metavar="B", help="override train.micro_batch")
     p.add_argument("--tp", type=int, metavar="T", help="override parallel.tp")
+    p.add_argument("--cp", type=int, metavar="N", help="also print per-rank activation bytes with context "
+                   "parallelism over N ranks (each holding s/N of every sequence), per recompute mode")
     p.add_argument("--dp", type=int, metavar="DP", help="also print the training state per rank at this "
                    "data-parallel size (parameters, gradients, AdamW)")
     p.add_argument("--data-parallel", choices=DATA_PARALLEL_MODES, help="with the state table: only this mode "
@@ -189,7 +203,7 @@ def err(msg: str) -> None:
 def main(argv: list[str]) -> int:
     """Entry point of ``seqpar memory``; returns the exit status (2 for bad input)."""
     args = _parser().parse_args(argv)
-    for name in ("micro_batch", "tp", "dp"):
+    for name in ("micro_batch", "tp", "dp", "cp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             err(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
             return 2
@@ -235,6 +249,8 @@ def main(argv: list[str]) -> int:
         print(table(e.shape, measured, expected, kernel) + "\n", flush=True)
         if args.measure and e.shape.p > 1 and not _print_first_stage(e):
             return 1
+        if args.cp is not None and not _print_cp(e, args.cp):
+            return 2
         if args.dp is not None or args.data_parallel or args.precision:
             modes = [args.data_parallel] if args.data_parallel else list(DATA_PARALLEL_MODES)
             layouts = [(args.dp or 1, mode) for mode in modes]

@@ -42,11 +42,12 @@ class SearchSpace:
     sequence_parallel: tuple[bool, ...] = (True, False)
     recompute: tuple[str, ...] = UNIFORM  # add "mixed" for per-layer mixes
     data_parallel: tuple[str, ...] = DATA_PARALLEL_MODES
+    cp: tuple[int, ...] | None = None  # context parallelism; None: every cp the sequence splits into
 
 
 # The paper's own choices (Table 3 / Table 5): t = 8, one node's GPUs, for every model; p, m, b, SP
 # and uniform recompute free; plain data parallelism.
-PAPER_SPACE = SearchSpace(tp=(8,), recompute=UNIFORM, data_parallel=("ddp",))
+PAPER_SPACE = SearchSpace(tp=(8,), recompute=UNIFORM, data_parallel=("ddp",), cp=(1,))
 
 
 @dataclass(frozen=True)
@@ -82,24 +83,34 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def families(problem: Problem, space: SearchSpace) -> Iterator[Layout]:
-    """Every valid layout of ``space`` with recompute left at none (the caller varies it)."""
+def _splits(problem: Problem, space: SearchSpace) -> Iterator[tuple[int, int, int, int]]:
+    """``(t, p, cp, dp)`` with ``t`` dividing a node, ``p`` the layers, ``t p cp dp`` the GPUs
+    (cp > 1 only without pipeline stages, and where the sequence cuts into ``2 cp`` chunks)."""
     pr, L = problem, problem.model.layers
     for t in (t for t in space.tp or _divisors(pr.gpus_per_node) if pr.gpus_per_node % t == 0):
         for p in (p for p in _divisors(L) if pr.gpus % (t * p) == 0):
-            dp = pr.gpus // (t * p)
-            if pr.global_batch % dp:
-                continue
-            for m in (_divisors(L // p) if p > 1 else [1]):
-                for b in _divisors(pr.global_batch // dp):
-                    for sp in (s for s in space.sequence_parallel if not s or t > 1):
-                        for mode in (d for d in space.data_parallel if d == "ddp" or dp > 1):
-                            layout = Layout(t, p, dp, m, b, sp, Recompute("none"), mode)
-                            try:
-                                check_layout(layout, pr.model, pr.gpus, pr.global_batch, pr.gpus_per_node)
-                            except ValueError:
-                                continue
-                            yield layout
+            for cp in (c for c in space.cp or _divisors(pr.gpus // (t * p)) if (pr.gpus // (t * p)) % c == 0):
+                if cp > 1 and (p > 1 or pr.model.seq_len % (2 * cp)):
+                    continue
+                dp = pr.gpus // (t * p * cp)
+                if pr.global_batch % dp == 0:
+                    yield t, p, cp, dp
+
+
+def families(problem: Problem, space: SearchSpace) -> Iterator[Layout]:
+    """Every valid layout of ``space`` with recompute left at none (the caller varies it)."""
+    pr, L = problem, problem.model.layers
+    for t, p, cp, dp in _splits(problem, space):
+        for m in (_divisors(L // p) if p > 1 else [1]):
+            for b in _divisors(pr.global_batch // dp):
+                for sp in (s for s in space.sequence_parallel if not s or t > 1):
+                    for mode in (d for d in space.data_parallel if d == "ddp" or (dp > 1 and cp == 1)):
+                        layout = Layout(t, p, dp, m, b, sp, Recompute("none"), mode, cp)
+                        try:
+                            check_layout(layout, pr.model, pr.gpus, pr.global_batch, pr.gpus_per_node)
+                        except ValueError:
+                            continue
+                        yield layout
 
 
 @dataclass

@@ -36,7 +36,7 @@ Calibration: the two GEMM constants of :mod:`seqpar.plan.gpus` were fitted once,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..model.config import GPTConfig
 from .. import flops
@@ -69,10 +69,10 @@ class LayerTimes:
 
 def _elementwise_bytes(model: GPTConfig, layout: Layout, u: float) -> tuple[float, float, float, float]:
     """(other forward, other backward, scores forward, scores backward) bytes of memory-bound kernels."""
-    s, b, h, t = model.seq_len, layout.micro_batch, model.hidden, layout.tp
+    s, b, h, t = model.seq_len // layout.cp, layout.micro_batch, model.hidden, layout.tp  # s: this CP rank's
     x = s * b * h / (t if layout.sequence_parallel else 1)   # norm / dropout / residual region
     f = s * b * model.ffn_hidden / t                         # activation-function region
-    scores = b * model.heads * s * s / t
+    scores = b * model.heads * s * model.seq_len / t          # this rank's queries over every key
     mask = 1 if model.dropout > 0 else 0
     amask = 1 if model.attention_dropout > 0 else 0
     act_f, act_b = ((3 * u, 5 * u) if model.mlp == "swiglu" else (2 * u, 3 * u))  # SwiGLU reads gate and up
@@ -101,30 +101,51 @@ _LAYER_CACHE: dict[tuple, LayerTimes] = {}
 
 def layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str = "bf16") -> LayerTimes:
     """Forward, backward and recompute seconds of one transformer layer (see the module docstring)."""
-    key = (dims.model_key(model), layout.tp, layout.micro_batch, layout.sequence_parallel, gpu, precision)
+    key = (dims.model_key(model), layout.tp, layout.micro_batch, layout.sequence_parallel, gpu, precision, layout.cp)
     if key not in _LAYER_CACHE:
         _LAYER_CACHE[key] = _layer_times(model, layout, gpu, precision)
     return _LAYER_CACHE[key]
 
 
+def _context_comm(model: GPTConfig, layout: Layout, gpu: GPU, u: int, core_f: float, core_b: float) -> tuple[float, float]:
+    """Exposed (forward, backward) seconds of the CP ring: ``cp - 1`` K/V steps forward, ``cp - 1``
+    K/V and ``cp`` fp32 K/V-gradient steps backward, each hidden behind the blocks' attention.
+    The CP ranks count as one node's (NVLink) when ``t x cp <= 8``, else they cross InfiniBand."""
+    cp, t = layout.cp, layout.tp
+    if cp == 1:
+        return 0.0, 0.0
+    kv_heads = max(1, model.num_kv_heads // t)
+    block = 2 * (model.seq_len // cp) * layout.micro_batch * kv_heads * model.head_dim  # K and V elements
+    bw = link_bandwidth(gpu, intra_node=t * cp <= 8)
+    fwd = (cp - 1) * (block * u / bw + gpu.p2p_latency)
+    bwd = (cp - 1) * (block * u / bw + gpu.p2p_latency) + cp * (block * 4 / bw + gpu.p2p_latency)
+    return max(0.0, fwd - core_f) + gpu.p2p_latency, max(0.0, bwd - core_b) + gpu.p2p_latency
+
+
 def _layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str) -> LayerTimes:
-    s, b, h, t, f = model.seq_len, layout.micro_batch, model.hidden, layout.tp, model.ffn_hidden
+    s, b, h, t, f = model.seq_len // layout.cp, layout.micro_batch, model.hidden, layout.tp, model.ffn_hidden
     sb, ps = s * b, _peak_scale(gpu, precision)
     qkv = gemm_fwd_bwd(gpu, sb, qkv_width(model, t) // t, h, 1, ps)
     proj = gemm_fwd_bwd(gpu, sb, h, h // t, 1, ps)
     fc1, fc2 = gemm_fwd_bwd(gpu, sb, fc1_width(model) // t, h, 1, ps), gemm_fwd_bwd(gpu, sb, h, f // t, 1, ps)
     heads, d = model.heads * b // t, model.head_dim
-    scores, context = gemm_fwd_bwd(gpu, s, s, d, heads, ps), gemm_fwd_bwd(gpu, s, d, s, heads, ps)
+    keys = model.seq_len  # under cp this rank's s/cp queries still see the whole sequence's keys
+    scores, context = gemm_fwd_bwd(gpu, s, keys, d, heads, ps), gemm_fwd_bwd(gpu, s, d, keys, heads, ps)
     dense_f = sum(g[0] for g in (qkv, proj, fc1, fc2))
     dense_b = sum(g[1] + g[2] for g in (qkv, proj, fc1, fc2))
     core_f, core_b = scores[0] + context[0], scores[1] + scores[2] + context[1] + context[2]
+    if layout.cp > 1:  # the CP kernel recomputes each block's scores from its log-sum-exp in backward
+        core_b += scores[0]
     u = ACTIVATION_BYTES[precision]
     other_f, other_b, score_f, score_b = (memory_seconds(gpu, x) for x in _elementwise_bytes(model, layout, u))
     ag = gather_seconds(s * b * h * u, t, link_bandwidth(gpu, intra_node=True))  # one [s, b, h] activation
     comm_f, comm_b = _tp_comm(layout, gpu, [qkv, fc1], ag)
+    cp_f, cp_b = _context_comm(model, layout, gpu, u, core_f, core_b)
+    comm_f, comm_b = comm_f + cp_f, comm_b + cp_b
     forward = dense_f + core_f + other_f + score_f + comm_f
     backward = dense_b + core_b + other_b + score_b + comm_b
-    recompute = {"none": 0.0, "selective": core_f + score_f, "full": forward}
+    # under cp, selective is the CP kernel itself (already counted in backward): nothing more
+    recompute = {"none": 0.0, "selective": core_f + score_f if layout.cp == 1 else 0.0, "full": forward}
     return LayerTimes(forward, backward, recompute, comm_f + comm_b)
 
 
@@ -152,10 +173,18 @@ class StepTime:
 
 def _data_parallel_seconds(model: GPTConfig, layout: Layout, gpu: GPU, gpus_per_node: int,
                            mb: float, backward_mb: float, n_micro: int) -> float:
-    """Exposed data-parallel communication of one step (DDP buckets, or FSDP per micro-batch)."""
-    if layout.dp == 1:
+    """Exposed data-parallel communication of one step (DDP buckets, or FSDP per micro-batch); with
+    cp the gradients are summed over the CP ranks too (one more all-reduce)."""
+    if layout.dp * layout.cp == 1:
         return 0.0
     params = max(stage_params(model, t=layout.tp, pp=layout.pp, stage=r) for r in (0, layout.pp - 1))
+    if layout.cp > 1:
+        bw_cp = link_bandwidth(gpu, intra_node=layout.tp * layout.cp <= gpus_per_node)
+        cp_sum = all_reduce_seconds(4 * params, layout.cp, bw_cp)
+        if layout.dp == 1:
+            return max(cp_sum / model.layers, cp_sum - backward_mb)
+        return cp_sum + _data_parallel_seconds(model, replace(layout, cp=1), gpu, gpus_per_node, mb, backward_mb,
+                                               n_micro)
     bw = link_bandwidth(gpu, intra_node=layout.tp * layout.dp <= gpus_per_node)
     if layout.data_parallel == "fsdp":
         per_micro = 2 * gather_seconds(2 * params, layout.dp, bw) + gather_seconds(4 * params, layout.dp, bw)
@@ -171,7 +200,7 @@ def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpu
     """Predicted seconds of one training step of ``layout`` (see the module docstring)."""
     n = micro_batches(layout, global_batch)
     p, m, t, b = layout.pp, layout.virtual_stages, layout.tp, layout.micro_batch
-    s, h, v, u = model.seq_len, model.hidden, model.padded_vocab(t), ACTIVATION_BYTES[precision]
+    s, h, v, u = model.seq_len // layout.cp, model.hidden, model.padded_vocab(t), ACTIVATION_BYTES[precision]
     lt = layer_times(model, layout, gpu, precision)
     counts = layout.recompute.per_stage(model.layers // (p * m), m)
     backward_mb = sum(k * (lt.backward + lt.recompute[mode]) for mode, k in counts.items())

@@ -34,7 +34,7 @@ class CheckpointManager:
 
     def _extra(self) -> dict:
         run, pc = self.run, self.run.cfg.parallel
-        return {"data": self.batches.state_dict(), "tp": pc.tp, "dp": run.dp, "pp": pc.pp,
+        return {"data": self.batches.state_dict(), "tp": pc.tp, "dp": run.dp, "pp": pc.pp, "cp": pc.cp,
                 "virtual_stages": pc.virtual_stages, "data_parallel": run.dp_mode, "data_identity": self.data}
 
     def save(self, step: int) -> Path:

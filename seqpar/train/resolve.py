@@ -57,7 +57,7 @@ def resolve_run(cfg: RunConfig, world_size: int, device: str = "cpu") -> Resolve
     raises the same ``ValueError`` before any collective. ``cfg`` itself is left untouched."""
     cfg.validate()
     pc = cfg.parallel
-    dp = validate_layout(pc.tp, pc.dp, world_size, pc.pp)
+    dp = validate_layout(pc.tp, pc.dp, world_size, pc.pp, pc.cp)
     if pc.pp > 1 and cfg.train.global_batch is None:
         cfg = dataclasses.replace(cfg, train=_split_for_pipeline(cfg.train, pc.pp, dp))
     accum = cfg.accumulation_steps(dp)

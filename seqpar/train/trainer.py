@@ -107,7 +107,7 @@ class Trainer:
         """The mesh of the resolved layout, unless one was given."""
         pc = self.cfg.parallel
         if mesh is None:
-            mesh = init_parallel(pc.tp, self.dp, pp=pc.pp, timeout=timedelta(minutes=pc.timeout_minutes))
+            mesh = init_parallel(pc.tp, self.dp, pp=pc.pp, cp=pc.cp, timeout=timedelta(minutes=pc.timeout_minutes))
         if mesh.device.type == "cpu":
             torch.set_num_threads(self.tc.threads_per_rank)
         return mesh
@@ -266,8 +266,8 @@ class Trainer:
             raise ValueError(f"sample: the corpus {self.cfg.data.source!r} is a bare token file without a "
                              f"tokenizer.json beside it")
         if self.engine.full_model is None:
-            raise ValueError("sample: this rank holds pipeline stages, not the whole model; sample from a "
-                             "checkpoint with seqpar generate")
+            raise ValueError("sample: this rank holds pipeline stages or context-parallel chunks, not the whole "
+                             "model; sample from a checkpoint with seqpar generate")
         ids = sample_ids(self.engine.full_model, self.corpus.encode(prompt), max_new_tokens, seed=self.tc.seed)
         return self.corpus.decode(ids)
 
