@@ -28,6 +28,16 @@ def fmt_bytes(n: float) -> str:
     return f"{n / 2**10:.1f} KiB"
 
 
+# the one line of a host sync under torch.cuda.set_sync_debug_mode("warn"); the mode's own notice
+# ("Synchronization debug mode is a prototype feature ...") also says "synchroniz" and is no sync
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
+def host_syncs(messages: list[str]) -> list[str]:
+    """The warnings among ``messages`` that report a host sync (first line, cut to 80 characters)."""
+    return [m.splitlines()[0][:80] for m in messages if SYNC_WARNING in m]
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from gpu_common import NEEDS_CUDA, Row, verdict
+from gpu_common import NEEDS_CUDA, Row, host_syncs, verdict
 from seqpar.checkpoint import save_checkpoint
 from seqpar.config import load_run_config
 from seqpar.distributed import ParallelMesh
@@ -142,7 +142,7 @@ def check_host_syncs(device: str, tmp: Path) -> list:
                 torch.cuda.set_sync_debug_mode("default")
     finally:
         trainer.close()
-    syncs = [str(w.message).splitlines()[0][:80] for w in seen if "synchroniz" in str(w.message).lower()]
+    syncs = host_syncs([str(w.message) for w in seen])
     return [Row("host syncs in a non-logging step (sync debug mode)", f"{len(syncs)} {syncs[:3]}", "<= 1",
                  verdict(len(syncs) <= 1))]
 

@@ -92,3 +92,22 @@ def test_reference_is_independent_a_perturbed_weight_fails():
     assert fp32 and all(result == "FAIL" for check, result in fp32.items() if "grad" in check), fp32
     # the same call without the perturbation passes: the failure is the perturbation's
     assert {r.result for r in gv.check_correctness("cpu", shapes)} == {"PASS"}
+
+
+def test_host_sync_count_ignores_the_debug_modes_own_notice():
+    """Under set_sync_debug_mode("warn") torch first warns that the mode is a prototype; that notice
+    mentions synchronization but is no sync (the H200 run counted it: 2 where one step has 1)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_common import host_syncs
+    notice = "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations"
+    sync = "called a synchronizing CUDA operation (Triggered internally at /pytorch/c10/cuda/CUDAFunctions.cpp:163.)"
+    assert host_syncs([notice, sync]) == [sync[:80]]
+    assert host_syncs([notice]) == []
+
+
+def test_selective_bound_is_the_extra_time_over_the_attention_core_replays():
+    sys.path.insert(0, str(SCRIPT.parent))
+    from gpu_throughput import selective_bound
+    res = {"none": {"step_s": 0.2}, "selective": {"step_s": 0.25}}
+    ratio, replay = selective_bound(res, core_s=0.002, layers=24)
+    assert abs(replay - 0.048) < 1e-12 and abs(ratio - 0.05 / 0.048) < 1e-9
