@@ -65,7 +65,8 @@ class CommCounter:
     calls: dict[str, int] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: str, nbytes: int, group: ProcessGroup | None = None) -> None:
+        """One collective of ``kind`` over ``group`` on a tensor of ``nbytes`` (see the class docstring)."""
         self.calls[kind] = self.calls.get(kind, 0) + 1
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
 
@@ -81,12 +82,14 @@ class CommCounter:
 
 
 _active_counters: list[CommCounter] = []
+_issuing = [0]  # > 0 while one of the collectives below is inside torch.distributed
 
 
 @contextmanager
-def count_comm() -> Iterator[CommCounter]:
-    """Record every seqpar collective issued inside the block (forward and backward)."""
-    counter = CommCounter()
+def count_comm(counter: CommCounter | None = None) -> Iterator[CommCounter]:
+    """Record every seqpar collective issued inside the block (forward and backward), into
+    ``counter`` when given (a subclass may keep more, e.g. the group), else a new one."""
+    counter = CommCounter() if counter is None else counter
     _active_counters.append(counter)
     try:
         yield counter
@@ -94,9 +97,33 @@ def count_comm() -> Iterator[CommCounter]:
         _active_counters.remove(counter)
 
 
-def _record(kind: str, t: torch.Tensor) -> None:
+def issuing() -> bool:
+    """True while a collective of this module is being issued: a recorder of torch.distributed's
+    own operations (``seqpar train --dry-run``) leaves it to this module's record."""
+    return _issuing[0] > 0
+
+
+def _record(kind: str, t: torch.Tensor, group: ProcessGroup | None = None) -> None:
     for c in _active_counters:
-        c.add(kind, t.numel() * t.element_size())
+        c.add(kind, t.numel() * t.element_size(), group)
+
+
+@contextmanager
+def issued() -> Iterator[None]:
+    """Around the torch.distributed calls of a collective this package has recorded."""
+    _issuing[0] += 1
+    try:
+        yield
+    finally:
+        _issuing[0] -= 1
+
+
+@contextmanager
+def _recorded(kind: str, t: torch.Tensor, group: ProcessGroup | None) -> Iterator[None]:
+    """Count one collective of ``kind`` on ``t`` over ``group``, then issue it inside the block."""
+    _record(kind, t, group)
+    with issued():
+        yield
 
 
 # --------------------------------------------------------------------------- collectives
@@ -106,8 +133,8 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = 
     """In-place all-reduce of ``x``; returns the work handle when ``async_op``."""
     if group_size(group) == 1:
         return None
-    _record("all_reduce", x)
-    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    with _recorded("all_reduce", x, group):
+        return dist.all_reduce(x, op=op, group=group, async_op=async_op)
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], group: ProcessGroup | None, *, mean: bool = False) -> None:
@@ -136,8 +163,8 @@ def all_gather_dim0(x: torch.Tensor, group: ProcessGroup | None, *, out: torch.T
     x = x.contiguous()
     if out is None:
         out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("all_gather", out)
-    handle = _all_gather_single(out, x, group=group, async_op=async_op)
+    with _recorded("all_gather", out, group):
+        handle = _all_gather_single(out, x, group=group, async_op=async_op)
     return out, handle
 
 
@@ -174,16 +201,16 @@ def reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup | None, *, async_op
         return x, None
     x = x.contiguous()
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("reduce_scatter", x)
-    if _uses_gloo(group):
-        received = torch.empty_like(x)
-        work = dist.all_to_all_single(received, x, group=group, async_op=async_op)
-        handle = _SumChunksOnWait(work if async_op else None, received, out, t)
-        if async_op:
-            return out, handle
-        handle.wait()
-        return out, None
-    handle = _reduce_scatter_single(out, x, group=group, async_op=async_op)
+    with _recorded("reduce_scatter", x, group):
+        if _uses_gloo(group):
+            received = torch.empty_like(x)
+            work = dist.all_to_all_single(received, x, group=group, async_op=async_op)
+            handle = _SumChunksOnWait(work if async_op else None, received, out, t)
+            if async_op:
+                return out, handle
+            handle.wait()
+            return out, None
+        handle = _reduce_scatter_single(out, x, group=group, async_op=async_op)
     return out, handle
 
 

@@ -15,6 +15,7 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
 
 # module-name suffix -> the paper's name for what that module keeps (PAPER.md, Table 2 notes)
 TERMS = {
@@ -30,6 +31,13 @@ TERMS = {
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor has no storage of its own: count its local shard."""
     return getattr(t, "_local_tensor", t)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """What identifies ``t``'s storage: its address, or for a fake tensor (no data, address 0;
+    ``seqpar train --dry-run``) the storage object itself."""
+    storage = t.untyped_storage()
+    return storage._cdata if is_fake(t) else storage.data_ptr()
 
 
 def _refine(term: str, role: str, t: torch.Tensor) -> str:
@@ -78,7 +86,7 @@ class ActivationLedger:
 
     @staticmethod
     def _ptr(t: torch.Tensor) -> int:
-        return _local(t).untyped_storage().data_ptr()
+        return storage_key(_local(t))
 
     def _weights(self) -> set[int]:
         """Storages of the parameters, buffers and ``exclude`` tensors the model holds now."""

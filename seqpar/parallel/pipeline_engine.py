@@ -39,6 +39,7 @@ class PipelineEngine(StepEngine):
         self.module = self.pipe.module  # an nn.ModuleList of this rank's stages
         self.parts, self.full_model = list(self.pipe.parts), None
         self.peak: int | None = None  # peak saved-activation bytes inside the layers, first step
+        self.peak_all: int | None = None  # and of everything saved, outside the layers too
 
     def forward_backward(self, micro_batches: Sequence[Batch], *, timed: bool = False) -> torch.Tensor:
         """The bf16 recipe runs the stages on bf16 copies and adds their grads into the fp32
@@ -51,7 +52,7 @@ class PipelineEngine(StepEngine):
         with prec.weights_in(self.module, weights), prec.autocast(), ledger or contextlib.nullcontext():
             loss = self.pipe.step(tokens, labels, finish=weights is None, timed=timed)
         if ledger is not None:
-            self.peak = ledger.peak_layer_bytes
+            self.peak, self.peak_all = ledger.peak_layer_bytes, ledger.peak_bytes
         if weights is not None:
             prec.accumulate(self.module, weights)
             self.pipe.finish_grads()

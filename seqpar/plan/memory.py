@@ -127,8 +127,24 @@ def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, pr
                             in_flight=min(layout.pp, n_micro), first=stage == 0, last=stage == layout.pp - 1)
     parts["outside_layers"] = float(sum(outside.values()))
     parts["backward_transient"] = working
-    parts["workspace"] = WORKSPACE_BYTES + FRAGMENTATION * sum(parts.values())
+    parts["workspace"] = allowance(parts)
     return parts
+
+
+def allowance(parts: dict[str, float]) -> float:
+    """What no tensor shows: :data:`WORKSPACE_BYTES` plus :data:`FRAGMENTATION` of ``parts`` (every
+    other term, in bytes)."""
+    return WORKSPACE_BYTES + FRAGMENTATION * sum(v for k, v in parts.items() if k != "workspace")
+
+
+def stage_memory(model: GPTConfig, layout: Layout, capacity: float, global_batch: int, stage: int,
+                 precision: str = "bf16") -> Memory:
+    """Bytes per GPU by part on pipeline stage ``stage`` (0 = first) of ``layout``."""
+    if precision not in ACTIVATION_BYTES:
+        raise ValueError(f"precision must be one of {sorted(ACTIVATION_BYTES)}, got {precision!r}")
+    if not 0 <= stage < layout.pp:
+        raise ValueError(f"stage must lie in [0, {layout.pp}), got {stage}")
+    return Memory(_stage_memory(model, layout, micro_batches(layout, global_batch), stage, precision), capacity, stage)
 
 
 def memory_per_gpu(model: GPTConfig, layout: Layout, capacity: float, global_batch: int,
