@@ -16,6 +16,7 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import is_fake
+from torch.multiprocessing.reductions import StorageWeakRef
 
 # module-name suffix -> the paper's name for what that module keeps (PAPER.md, Table 2 notes)
 TERMS = {
@@ -81,7 +82,7 @@ class ActivationLedger:
         self.records: list[SavedTensor] = []
         self._stack: list[str] = []
         self._seen: set[int] = set()
-        self._layer_inputs: dict[int, str] = {}
+        self._layer_inputs: dict[int, tuple[str, StorageWeakRef]] = {}  # storage -> the layer it entered
         self._handles: list = []
 
     @staticmethod
@@ -118,8 +119,18 @@ class ActivationLedger:
             if m and m.group(2) is None:  # a transformer layer itself: remember its input
                 first = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
                 if first is not None:
-                    self._layer_inputs.setdefault(self._ptr(first), name)
+                    key = self._ptr(first)
+                    if self.layer_input(key) is None:
+                        self._layer_inputs[key] = (name, StorageWeakRef(_local(first).untyped_storage()))
         return hook
+
+    def layer_input(self, key: int) -> str | None:
+        """The layer whose input lives in storage ``key``, if that storage is still alive (a freed
+        storage's address, or a fake one's, is soon another tensor's)."""
+        entry = self._layer_inputs.get(key)
+        if entry is None or entry[1].expired():
+            return None
+        return entry[0]
 
     def _post(self):
         def hook(module, args, output):
@@ -136,8 +147,8 @@ class ActivationLedger:
         m = self._layer_re.match(module)
         if m:
             layer, role = m.group(1), m.group(2) or ""
-        elif ptr in self._layer_inputs:  # saved outside the layers: full recompute's kept input
-            layer, role = self._layer_inputs[ptr], ""
+        elif self.layer_input(ptr) is not None:  # saved outside the layers: full recompute's kept input
+            layer, role = self.layer_input(ptr), ""
         else:
             layer, role = None, module
         term = _refine(TERMS.get(role, role or "other"), role, t)

@@ -30,7 +30,8 @@ def _unpack(x):
 
 class PeakActivationLedger(ActivationLedger):
     """Context manager: ``peak_layer_bytes`` (inside transformer layers, what Table 2 counts)
-    and ``peak_bytes`` (everything saved) of the live saved activations of ``model``.
+    and ``peak_bytes`` (everything saved) of the live saved activations of ``model``, and
+    ``outside_at_layer_peak`` (saved outside the layers, live at the layer peak: §4.3's terms).
 
     >>> with PeakActivationLedger(pipe.module) as ledger:
     ...     pipe.step(tokens, labels)
@@ -44,6 +45,7 @@ class PeakActivationLedger(ActivationLedger):
         self._during_backward = during_backward
         self._live: dict[int, list] = {}  # storage ptr -> [holders, bytes, inside a layer]
         self.live_bytes = self.live_layer_bytes = self.peak_bytes = self.peak_layer_bytes = 0
+        self.outside_at_layer_peak = 0  # bytes saved outside the layers and live when peak_layer_bytes was reached
 
     def __enter__(self) -> "PeakActivationLedger":
         super().__enter__()
@@ -55,7 +57,7 @@ class PeakActivationLedger(ActivationLedger):
     def _layer_of(self, ptr: int) -> str | None:
         module = self._stack[-1] if self._stack else ""
         m = self._layer_re.match(module)
-        return m.group(1) if m else self._layer_inputs.get(ptr)
+        return m.group(1) if m else self.layer_input(ptr)
 
     def _pack(self, saved: torch.Tensor):
         if not self._during_backward and torch._C._current_graph_task_id() != -1:  # a recompute's transient
@@ -78,7 +80,11 @@ class PeakActivationLedger(ActivationLedger):
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         if in_layer:
             self.live_layer_bytes += nbytes
-            self.peak_layer_bytes = max(self.peak_layer_bytes, self.live_layer_bytes)
+            if self.live_layer_bytes >= self.peak_layer_bytes:
+                outside = self.live_bytes - self.live_layer_bytes
+                same = self.live_layer_bytes == self.peak_layer_bytes
+                self.outside_at_layer_peak = max(self.outside_at_layer_peak, outside) if same else outside
+                self.peak_layer_bytes = self.live_layer_bytes
 
     def _release(self, ptr: int) -> None:
         entry = self._live.get(ptr)

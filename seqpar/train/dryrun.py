@@ -15,7 +15,7 @@ bytes (:mod:`seqpar.train.dryrun_comm`). No data is read and nothing is written.
 
 What a fake run cannot read is a tensor's value. Where seqpar checks values (token ids in range)
 it skips fake tensors; the pipeline schedule's warm-up vote (every stage has static shapes) is
-answered as the peers would answer it (:class:`PeerValues`); any other read stops the run naming
+answered as the peers would answer it (:class:`FakeRun`); any other read stops the run naming
 the line.
 """
 from __future__ import annotations
@@ -31,7 +31,6 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..config.errors import UserError, is_user_error
 from ..distributed.mesh import ParallelMesh, init_parallel
@@ -41,7 +40,7 @@ from ..parallel.data_parallel import state_bytes
 from ..parallel.engine import StepEngine
 from ..parallel.engines import build_engine
 from ..parallel.pipeline_engine import PipelineEngine
-from .dryrun_comm import group_names, record_step
+from .dryrun_comm import count_c10d, group_names, record_step
 from .optim import build_optimizer
 from .precision import Precision, resolve_precision
 from .resolve import ResolvedRun
@@ -68,16 +67,26 @@ class RankRun:
     notes: list[str] = field(default_factory=list)
 
 
-class PeerValues(TorchDispatchMode):
-    """Answers what a fake run cannot compute, a tensor's value, where the peers' answer is known:
-    the pipeline schedule's warm-up vote (``_warmup_p2p``: 1, every stage has static shapes, as
-    seqpar gives every stage its input and output shapes). Any other read raises naming the line."""
+class FakeRun(FakeTensorMode):
+    """``FakeTensorMode`` for a dry run. Real tensors met inside (generator states) are converted,
+    never computed on. The ``c10d`` operators are counted into ``comm`` when set (one Python mode,
+    not two, on every operator). And it answers what a fake run cannot compute, a tensor's value,
+    where the peers' answer is known: the pipeline schedule's warm-up vote (``_warmup_p2p``: 1,
+    every stage has static shapes, as seqpar gives every stage its input and output shapes); a
+    constant the mode knows (AdamW's step count) is read as usual; any other read raises naming
+    the line."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def __init__(self):
+        super().__init__(allow_non_fake_inputs=True)
+        self.comm = None
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if self.comm is not None:
+            count_c10d(self.comm, func, args)
         if func is not torch.ops.aten._local_scalar_dense.default:
-            return func(*args, **(kwargs or {}))
+            return super().dispatch(func, types, args, kwargs)
         try:
-            return func(*args, **(kwargs or {}))  # a constant the fake mode knows (AdamW's step count)
+            return super().dispatch(func, types, args, kwargs)
         except DataDependentOutputException:
             frame = sys._getframe(1)
             while frame is not None:
@@ -149,19 +158,25 @@ def build(run: ResolvedRun, mesh: ParallelMesh, device: str) -> tuple[StepEngine
 def saved_activations(engine: StepEngine) -> dict[str, int]:
     """The peak saved activations the engine measured in its first step, inside and outside the layers."""
     if isinstance(engine, PipelineEngine):
-        layers, total = engine.peak or 0, engine.peak_all or 0
-    else:
-        layers, total = engine.probe.in_layers or 0, engine.probe.measured or 0
+        return {"layers": engine.peak or 0, "outside_layers": engine.peak_outside or 0}
+    layers, total = engine.probe.in_layers or 0, engine.probe.measured or 0
     return {"layers": layers, "outside_layers": total - layers}
 
 
-def step(run: ResolvedRun, engine: StepEngine, optimizer: torch.optim.Optimizer, names: dict[str, str]):
-    """One optimizer step in :meth:`Trainer.train_step`'s order; returns ``(StepComm, state bytes)``."""
-    with record_step(engine.module, names) as comm:
+def step(run: ResolvedRun, engine: StepEngine, optimizer: torch.optim.Optimizer, names: dict[str, str],
+         mode: FakeRun | None = None):
+    """One optimizer step in :meth:`Trainer.train_step`'s order; returns ``(StepComm, state bytes)``.
+    ``mode``: the dry run's :class:`FakeRun`, which counts the ``c10d`` operators (else a
+    :class:`~seqpar.train.dryrun_comm.RawCollectives` mode does)."""
+    with record_step(engine.module, names, raw=mode is None) as comm:
+        if mode is not None:
+            mode.comm = comm
         loss_sum = engine.forward_backward(fake_batches(run))
         grad_norm = engine.clip(run.cfg.train.grad_clip)
         step_flags(loss_sum, False, grad_norm)
         optimizer.step()
+    if mode is not None:
+        mode.comm = None
     state = state_bytes(engine.module, optimizer)
     optimizer.zero_grad(set_to_none=True)
     return comm, state
@@ -181,9 +196,9 @@ def _run_rank(run: ResolvedRun, rank: int, device: str) -> RankRun:
     pc = run.cfg.parallel
     with fake_world(run.world_size, rank):
         mesh = init_parallel(pc.tp, run.dp, pp=pc.pp, cp=pc.cp)
-        with FakeTensorMode(allow_non_fake_inputs=True), PeerValues():  # real tensors met (RNG states) are converted
+        with FakeRun() as mode:
             engine, optimizer, precision = build(run, mesh, device)
-            comm, state = step(run, engine, optimizer, _names(mesh, engine))
+            comm, state = step(run, engine, optimizer, _names(mesh, engine), mode)
         return RankRun(rank=rank, world=run.world_size, coords=_coords(mesh),
                        stages=[getattr(p, "index", 0) for p in engine.parts],
                        layers_built=sum(isinstance(m, Block) for m in engine.module.modules()),
@@ -213,5 +228,5 @@ def default_ranks(world: int, pp: int) -> list[int]:
     return sorted({0, (pp - 1) * (world // pp)})
 
 
-__all__ = ["PeerValues", "RankRun", "build", "default_ranks", "dry_run_rank", "fake_batches", "fake_world",
+__all__ = ["FakeRun", "RankRun", "build", "default_ranks", "dry_run_rank", "fake_batches", "fake_world",
            "peak_rss", "reset_peak_rss", "saved_activations", "step"]

@@ -132,34 +132,42 @@ class StepComm(CommCounter):
                  "layer_bytes": self.in_layers.get((g, k), [0, 0])[1]} for (g, k), (c, n) in sorted(self.rows.items())]
 
 
+def count_c10d(comm: StepComm, func, args) -> None:
+    """Count ``func(*args)`` into ``comm`` when it is a ``c10d`` operator that seqpar's collectives
+    did not issue."""
+    if func.namespace != "c10d" or issuing():
+        return
+    name = func._schema.name.split("::")[-1]
+    kind, index = C10D_OPS.get(name, (name, 0))
+    group = next((dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject)
+                  and "ProcessGroup" in str(a._type())), None)
+    comm.add(kind, _nbytes(args[index]) if index < len(args) else 0, group)
+
+
 class RawCollectives(TorchDispatchMode):
-    """Counts the ``c10d`` operators that seqpar's collectives did not issue into ``comm``."""
+    """Counts the ``c10d`` operators that seqpar's collectives did not issue into ``comm`` (on real
+    tensors; a dry run's fake-tensor mode counts them itself)."""
 
     def __init__(self, comm: StepComm):
         super().__init__()
         self.comm = comm
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace == "c10d" and not issuing():
-            name = func._schema.name.split("::")[-1]
-            kind, index = C10D_OPS.get(name, (name, 0))
-            group = next((dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject)
-                          and "ProcessGroup" in str(a._type())), None)
-            self.comm.add(kind, _nbytes(args[index]) if index < len(args) else 0, group)
-        return func(*args, **kwargs)
+        count_c10d(self.comm, func, args)
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
-def record_step(module: nn.Module, names: dict[str, str]) -> Iterator[StepComm]:
-    """Inside the block, every collective of ``module``'s training step into a :class:`StepComm`."""
+def record_step(module: nn.Module, names: dict[str, str], *, raw: bool = True) -> Iterator[StepComm]:
+    """Inside the block, every collective of ``module``'s training step into a :class:`StepComm`;
+    ``raw=False`` leaves the ``c10d`` operators to the caller (:func:`count_c10d`)."""
     comm = StepComm(names)
     comm.scope = LayerScope(module)
     try:
-        with count_comm(comm), RawCollectives(comm):
+        with count_comm(comm), RawCollectives(comm) if raw else contextlib.nullcontext():
             yield comm
     finally:
         comm.scope.close()
 
 
-__all__ = ["C10D_OPS", "LayerScope", "RawCollectives", "StepComm", "group_names", "record_step"]
+__all__ = ["C10D_OPS", "LayerScope", "RawCollectives", "StepComm", "count_c10d", "group_names", "record_step"]
