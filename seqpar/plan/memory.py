@@ -47,9 +47,10 @@ STATE_PARTS = ("parameters", "gradients", "optimizer", "state_during_step")
 def state_parts(model: GPTConfig, layout: Layout, stage: int, precision: str) -> dict[str, float]:
     """Training-state bytes of one GPU of pipeline stage ``stage``, by :data:`STATE_PARTS`."""
     t, p = layout.tp, layout.pp
-    per = state_bytes_per_parameter(precision, layout.data_parallel, dp=layout.dp)
+    shard = layout.dp * layout.cp  # FSDP2 shards over dp x cp: the CP ranks hold the same parameters
+    per = state_bytes_per_parameter(precision, layout.data_parallel, dp=shard)
     b = training_state_bytes(per, params=stage_params(model, t=t, pp=p, stage=stage),
-                             unit_params=layer_params(model, t), dp=layout.dp,
+                             unit_params=layer_params(model, t), dp=shard,
                              root=root_params(model, t, first=stage == 0, last=stage == p - 1, pp=p))
     return {"parameters": b["parameters"], "gradients": b["gradients"], "optimizer": b["optimizer"],
             "state_during_step": b["step_transient"]}

@@ -149,6 +149,11 @@ def build(run: ResolvedRun, mesh: ParallelMesh, device: str) -> tuple[StepEngine
     tc = run.cfg.train
     precision = Precision(resolve_precision(tc.precision, torch.device(device)), mesh.device,
                           fsdp=run.dp_mode == "fsdp")
+    if run.dp_mode == "ddp" and mesh.dp_size > 1 and mesh.pp_size == 1 and not precision.master_weights:
+        raise UserError(f"data_parallel=ddp over dp={mesh.dp_size} in {precision.name} runs torch's "
+                        f"DistributedDataParallel, whose C++ reducer needs real tensors: a dry run cannot build it "
+                        f"(train.precision=bf16 reduces through seqpar's own gradient buckets, "
+                        f"parallel.data_parallel=fsdp through FSDP2)")
     engine = build_engine(run.cfg, mesh, accum=run.accum, precision=precision, probe=ActivationProbe)
     precision.check_model(engine.module)
     optimizer = build_optimizer(engine.module, lr=tc.lr, weight_decay=tc.weight_decay, betas=(tc.beta1, tc.beta2))
@@ -182,7 +187,9 @@ def step(run: ResolvedRun, engine: StepEngine, optimizer: torch.optim.Optimizer,
     return comm, state
 
 
-def _names(mesh: ParallelMesh, engine: StepEngine) -> dict[str, str]:
+def step_group_names(mesh: ParallelMesh, engine: StepEngine) -> dict[str, str]:
+    """The labels of the groups a step of ``engine`` talks over (:func:`~seqpar.train.dryrun_comm.group_names`
+    with the pipeline's tied first + last stage pair)."""
     tied = getattr(getattr(engine, "pipe", None), "tied_group", None)
     return group_names(mesh, {"first + last stage": tied})
 
@@ -196,9 +203,11 @@ def _run_rank(run: ResolvedRun, rank: int, device: str) -> RankRun:
     pc = run.cfg.parallel
     with fake_world(run.world_size, rank):
         mesh = init_parallel(pc.tp, run.dp, pp=pc.pp, cp=pc.cp)
+        if mesh.cp_size > 1:
+            mesh.dp_cp_mesh  # DeviceMesh's index tensors are host bookkeeping: made now, real, and cached
         with FakeRun() as mode:
             engine, optimizer, precision = build(run, mesh, device)
-            comm, state = step(run, engine, optimizer, _names(mesh, engine), mode)
+            comm, state = step(run, engine, optimizer, step_group_names(mesh, engine), mode)
         return RankRun(rank=rank, world=run.world_size, coords=_coords(mesh),
                        stages=[getattr(p, "index", 0) for p in engine.parts],
                        layers_built=sum(isinstance(m, Block) for m in engine.module.modules()),
@@ -229,4 +238,4 @@ def default_ranks(world: int, pp: int) -> list[int]:
 
 
 __all__ = ["FakeRun", "RankRun", "build", "default_ranks", "dry_run_rank", "fake_batches", "fake_world",
-           "peak_rss", "reset_peak_rss", "saved_activations", "step"]
+           "peak_rss", "reset_peak_rss", "saved_activations", "step", "step_group_names"]

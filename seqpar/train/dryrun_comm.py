@@ -52,10 +52,11 @@ def _nbytes(x) -> int:
 
 def group_names(mesh: ParallelMesh, extra: dict[str, ProcessGroup | None] | None = None) -> dict[str, str]:
     """``group_name -> label`` for the mesh's groups (tp, cp, dp, pp, dp x cp), ``extra`` ones and
-    the world."""
-    groups = {"tp": mesh.tp_group, "cp": mesh.cp_group, "dp": mesh.dp_group, "pp": mesh.pp_group, **(extra or {})}
+    the world (a group the mesh names keeps the mesh's name)."""
+    groups = dict(extra or {})  # the mesh's own names win for the same group (p = 2: the tied pair is pp)
     if mesh.cp_size > 1 and mesh.dp_size > 1:
         groups["dp x cp"] = mesh.dp_cp_mesh.get_group()
+    groups.update({"tp": mesh.tp_group, "cp": mesh.cp_group, "dp": mesh.dp_group, "pp": mesh.pp_group})
     out = {g.group_name: name for name, g in groups.items() if g is not None}
     if dist.is_initialized():
         out.setdefault(dist.group.WORLD.group_name, "world")

@@ -91,13 +91,17 @@ def rank_json(r: RankRun, check: Check) -> dict:
             "problems": check.problems}
 
 
+def _gpu(gpu: str | GPU | None) -> GPU | None:
+    return gpu if isinstance(gpu, GPU) or gpu is None else get_gpu(gpu)
+
+
 def dry_run(cfg: RunConfig, world: int, ranks: list[int] | None = None, *, device: str = "cuda",
-            gpu: str | None = None) -> list[tuple[ResolvedRun, RankRun, Check]]:
+            gpu: str | GPU | None = None) -> list[tuple[ResolvedRun, RankRun, Check]]:
     """Resolve ``cfg`` for ``world`` ranks and dry-run each of ``ranks`` (default: the first rank
     of the first and of the last pipeline stage); a problem in resolving names the ranks."""
     if world < 1:
         raise UserError(f"--world must be at least 1 (got {world})")
-    table = get_gpu(gpu) if gpu else None
+    table = _gpu(gpu)
     pc = cfg.parallel
     if ranks is None and world % (pc.pp * pc.tp * pc.cp) == 0:
         ranks = default_ranks(world, pc.pp)
@@ -114,20 +118,20 @@ def dry_run(cfg: RunConfig, world: int, ranks: list[int] | None = None, *, devic
     return out
 
 
-def report(name: str, results: list[tuple[ResolvedRun, RankRun, Check]], *, gpu: str | None = None,
+def report(name: str, results: list[tuple[ResolvedRun, RankRun, Check]], *, gpu: str | GPU | None = None,
            as_json: bool = False, print_: Callable[[str], None] = print) -> list[str]:
     """Print every rank's report (text or one JSON document); returns the problems found."""
-    table = get_gpu(gpu) if gpu else None
+    table = _gpu(gpu)
     problems = [p for *_, c in results for p in c.problems]
     if as_json:
-        print_(json.dumps({"config": name, "gpu": gpu, "ranks": [rank_json(r, c) for _, r, c in results],
+        print_(json.dumps({"config": name, "gpu": table.name if table else None, "ranks": [rank_json(r, c) for _, r, c in results],
                            "problems": problems}, indent=1))
     else:
         print_("\n\n".join(rank_text(name, run, r, c, table) for run, r, c in results))
     return problems
 
 
-def main(name: str, cfg: RunConfig, *, world: int, ranks: list[int] | None, device: str, gpu: str | None,
+def main(name: str, cfg: RunConfig, *, world: int, ranks: list[int] | None, device: str, gpu: str | GPU | None,
          as_json: bool) -> int:
     """``seqpar train --dry-run``: print the report; a problem is a :class:`UserError` (exit 2)."""
     problems = report(name, dry_run(cfg, world, ranks, device=device, gpu=gpu), gpu=gpu, as_json=as_json)
@@ -136,4 +140,16 @@ def main(name: str, cfg: RunConfig, *, world: int, ranks: list[int] | None, devi
     return 0
 
 
-__all__ = ["dry_run", "main", "rank_json", "rank_text", "report"]
+def verify_plan(config: str, overrides: list[str], world: int, gpu: GPU) -> int:
+    """``seqpar plan ... --verify``: the planner's chosen layout (its ``seqpar train`` overrides on
+    ``config``) dry-run on ``world`` ranks against ``gpu``."""
+    from ..config import load_run_config
+    print(f"\nverify: seqpar train {config} {' '.join(overrides)} --dry-run --world {world} --gpu {gpu.name}\n")
+    try:
+        cfg = load_run_config(config, overrides)
+    except ValueError as err:
+        raise UserError(f"every rank of {world}: {err}") from err
+    return main(config, cfg, world=world, ranks=None, device="cuda", gpu=gpu, as_json=False)
+
+
+__all__ = ["dry_run", "main", "rank_json", "rank_text", "report", "verify_plan"]
