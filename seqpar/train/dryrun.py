@@ -31,6 +31,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.nn.modules.module import register_module_module_registration_hook
 
 from ..config.errors import UserError, is_user_error
 from ..distributed.mesh import ParallelMesh, init_parallel
@@ -55,7 +56,7 @@ class RankRun:
     world: int
     coords: dict[str, tuple[int, int]]  # "pp" / "dp" / "cp" / "tp" -> (this rank's index, size)
     stages: list[int]                   # pipeline stages (model chunks) this rank holds
-    layers_built: int                   # transformer layers built on this rank
+    layers_built: int                   # transformer layers built on this rank (kept or not)
     parameters: int                     # parameters on this rank (its shards)
     micro_batches: int                  # micro-batches of the step on this rank
     state: dict[str, int]               # parameters / gradients / optimizer bytes after the step
@@ -99,13 +100,14 @@ class FakeRun(FakeTensorMode):
 
 
 def _caller() -> str:
-    """The innermost seqpar frame of the current stack, as ``file:line (function)``."""
+    """The innermost frame of the current stack outside torch and this module, as ``file:line (function)``."""
+    skip = (str(Path(torch.__file__).parent), __file__)
     frame = sys._getframe(2)
-    while frame is not None:
-        if "seqpar" in frame.f_code.co_filename and "dryrun" not in frame.f_code.co_filename:
-            return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame = frame.f_back
-    return "outside seqpar"
+    if frame is None:
+        return "inside torch"
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 @contextlib.contextmanager
@@ -160,6 +162,23 @@ def build(run: ResolvedRun, mesh: ParallelMesh, device: str) -> tuple[StepEngine
     return engine, optimizer, precision
 
 
+@contextlib.contextmanager
+def count_built_layers() -> Iterator[list[torch.nn.Module]]:
+    """Inside the block, every transformer layer (:class:`~seqpar.model.gpt.Block`) made part of a
+    module, each once, whether or not the rank keeps it: a pipeline rank must build only its own."""
+    built: list[torch.nn.Module] = []
+
+    def hook(parent, name, module):
+        if isinstance(module, Block) and not any(m is module for m in built):
+            built.append(module)
+
+    handle = register_module_module_registration_hook(hook)
+    try:
+        yield built
+    finally:
+        handle.remove()
+
+
 def saved_activations(engine: StepEngine) -> dict[str, int]:
     """The peak saved activations the engine measured in its first step, inside and outside the layers."""
     if isinstance(engine, PipelineEngine):
@@ -206,11 +225,13 @@ def _run_rank(run: ResolvedRun, rank: int, device: str) -> RankRun:
         if mesh.cp_size > 1:
             mesh.dp_cp_mesh  # DeviceMesh's index tensors are host bookkeeping: made now, real, and cached
         with FakeRun() as mode:
-            engine, optimizer, precision = build(run, mesh, device)
+            with count_built_layers() as built:
+                engine, optimizer, precision = build(run, mesh, device)
+            layers_built = len(built)
+            del built
             comm, state = step(run, engine, optimizer, step_group_names(mesh, engine), mode)
         return RankRun(rank=rank, world=run.world_size, coords=_coords(mesh),
-                       stages=[getattr(p, "index", 0) for p in engine.parts],
-                       layers_built=sum(isinstance(m, Block) for m in engine.module.modules()),
+                       stages=[getattr(p, "index", 0) for p in engine.parts], layers_built=layers_built,
                        parameters=sum(p.numel() for p in engine.module.parameters()), micro_batches=run.accum,
                        state=state, saved=saved_activations(engine), comm=comm.table(), precision=precision.name)
 
@@ -237,5 +258,5 @@ def default_ranks(world: int, pp: int) -> list[int]:
     return sorted({0, (pp - 1) * (world // pp)})
 
 
-__all__ = ["FakeRun", "RankRun", "build", "default_ranks", "dry_run_rank", "fake_batches", "fake_world",
+__all__ = ["FakeRun", "RankRun", "build", "count_built_layers", "default_ranks", "dry_run_rank", "fake_batches", "fake_world",
            "peak_rss", "reset_peak_rss", "saved_activations", "step", "step_group_names"]

@@ -80,25 +80,33 @@ def _layer_comm(run: ResolvedRun, r: RankRun, layers: list[int]) -> tuple[dict, 
     return out, wire
 
 
-def required_collectives(run: ResolvedRun, r: RankRun) -> dict[tuple[str, str], str]:
-    """``(group, kind) -> why`` for every collective this rank's step must issue."""
+def required_collectives(run: ResolvedRun, r: RankRun) -> dict[tuple[str, str], tuple[str, float]]:
+    """``(group, kind) -> (why, least bytes)`` for every collective this rank's step must issue: the
+    layers' §4.2.2 volume over tp, one activation per micro-batch each way between stages, the
+    gradients over dp (all-reduced, or under FSDP2 reduce-scattered and the parameters gathered:
+    the shards times the ranks sharing them), K/V over cp."""
     mc, pc = run.cfg.model, run.cfg.parallel
-    need: dict[tuple[str, str], str] = {}
-    if pc.tp > 1:
-        kinds = ("all_gather", "reduce_scatter") if mc.sequence_parallel else ("all_reduce",)
-        what = "sequence parallelism's g / g-bar" if mc.sequence_parallel else "tensor parallelism's f / f-bar"
-        need.update({("tp", k): f"{what} in every layer" for k in kinds})
+    act = 4 if r.precision == "fp32" else 2
+    s, b, units = mc.seq_len // pc.cp, run.cfg.train.micro_batch, mc.layers // pc.pp * r.micro_batches
+    need: dict[tuple[str, str], tuple[str, float]] = {}
+    paper = paper_layer_comm(s=s, b=b, h=mc.hidden, t=pc.tp, act=act, sequence_parallel=mc.sequence_parallel)
+    what = "sequence parallelism's g / g-bar" if mc.sequence_parallel else "tensor parallelism's f / f-bar"
+    need.update({("tp", kind): (f"{what} in every layer", units * nbytes) for kind, (_, nbytes) in paper.items()})
     if pc.pp > 1:
-        need.update({("pp", k): "activations and their gradients between pipeline stages" for k in ("send", "recv")})
+        one = s * b * mc.hidden * act / (pc.tp if mc.sequence_parallel else 1)
+        need.update({("pp", k): ("activations and their gradients between pipeline stages", r.micro_batches * one)
+                     for k in ("send", "recv")})
     if pc.cp > 1:
         kind = "all_gather" if pc.cp_comm == "allgather" else "send_recv"
-        need[("cp", kind)] = f"attention's K/V exchange over cp ({pc.cp_comm})"
-    shard = "dp x cp" if pc.cp > 1 and run.dp > 1 else ("cp" if pc.cp > 1 else "dp")
-    if run.dp_mode == "fsdp" and run.dp * pc.cp > 1:
-        need.update({(shard, k): "FSDP2's parameter gathers and gradient reduce-scatters"
-                     for k in ("all_gather", "reduce_scatter")})
+        need[("cp", kind)] = (f"attention's K/V exchange over cp ({pc.cp_comm})", 1)
+    shards = run.dp * pc.cp
+    if run.dp_mode == "fsdp" and shards > 1:
+        group = "dp x cp" if pc.cp > 1 and run.dp > 1 else ("cp" if pc.cp > 1 else "dp")
+        compute = 2 if r.precision == "bf16" else 4
+        need[(group, "all_gather")] = ("FSDP2's parameter gathers", r.state["parameters"] * shards * compute / 4)
+        need[(group, "reduce_scatter")] = ("FSDP2's gradient reduce-scatters", r.state["gradients"] * shards)
     elif run.dp > 1:
-        need[("dp", "all_reduce")] = "the data-parallel gradient reduction"
+        need[("dp", "all_reduce")] = ("the data-parallel gradient reduction", r.state["gradients"])
     return need
 
 
@@ -109,12 +117,15 @@ def _problems(run: ResolvedRun, r: RankRun, check: Check) -> list[str]:
         stage = f"pipeline stage(s) {r.stages}" if run.cfg.parallel.pp > 1 else "its model"
         out.append(f"{who} builds {r.layers_built} transformer layers, but {stage} hold {check.layers_expected} of "
                    f"L={run.cfg.model.layers} (p={run.cfg.parallel.pp})")
-    seen = {(row["group"], row["kind"]) for row in r.comm if row["calls"]}
-    for (group, kind), why in required_collectives(run, r).items():
-        if (group, kind) not in seen:
-            out.append(f"{who} issued no {kind} over {group} in one step; the layout needs it ({why})")
+    sent = {(row["group"], row["kind"]): row["bytes"] for row in r.comm}
+    for (group, kind), (why, least) in required_collectives(run, r).items():
+        got = sent.get((group, kind), 0)
+        if got < least:
+            what = f"no {kind}" if not got else f"{kind} of only {got:,} bytes"
+            out.append(f"{who} issued {what} over {group} in one step; the layout needs at least {least:,.0f} "
+                       f"bytes ({why})")
     if check.capacity is not None and check.peak > check.capacity:
-        top = sorted(((v, k) for k, v in check.rows if v is not None), reverse=True)[:2]
+        top = sorted(((v, k) for k, v, _ in check.rows if v is not None), reverse=True)[:2]
         out.append(f"{who} would run out of memory: predicted peak {check.peak / GIB:.2f} GiB > "
                    f"{check.capacity / GIB:.2f} GiB per GPU (largest: "
                    + ", ".join(f"{k} {v / GIB:.2f} GiB" for v, k in top) + ")")
