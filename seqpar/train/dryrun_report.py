@@ -20,7 +20,9 @@ MIB = 2**20
 def _size(n: float | None) -> str:
     if n is None:
         return "-"
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / MIB:.2f} MiB"
+    if abs(n) >= GIB:
+        return f"{n / GIB:.2f} GiB"
+    return f"{n / MIB:.2f} MiB" if abs(n) >= MIB else f"{n / 1024:.2f} KiB"
 
 
 def _ratio(a: float | None, b: float) -> str:
@@ -49,7 +51,8 @@ def _memory_table(check: Check, gpu: GPU | None) -> list[str]:
 def _comm_table(r: RankRun) -> list[str]:
     lines = ["| collective | group | calls | bytes | of them in layers |", "|---|---|---:|---:|---:|"]
     lines += [f"| {row['kind']} | {row['group']} | {row['calls']:,} | {_size(row['bytes'])} | "
-              f"{row['layer_calls']:,} calls, {_size(row['layer_bytes'])} |" for row in r.comm]
+              + (f"{row['layer_calls']:,} calls, {_size(row['layer_bytes'])} |" if row["layer_calls"] else "- |")
+              for row in r.comm]
     return lines
 
 
@@ -57,23 +60,26 @@ def _calls(comm: dict[str, tuple[float, float]]) -> str:
     return " + ".join(f"{c:g} {kind}" for kind, (c, _) in sorted(comm.items())) or "none"
 
 
-def _layer_line(check: Check) -> str:
+def _layer_table(check: Check) -> list[str]:
+    """TP communication per layer and micro-batch: measured, seqpar's layers, the paper's."""
     lc, wire = check.layer_comm, check.layer_wire
     if not lc.get("seqpar"):
-        return "tp per layer: no tensor parallelism"
-    each = next(iter(lc["paper"].values()))
-    n = each[1] / each[0]
-    return (f"tp per layer and micro-batch, of {_size(n)} each: measured {_calls(lc['measured'])} = "
-            f"{_size(wire['measured'])} sent per rank (ring); seqpar's layers {_calls(lc['seqpar'])} = "
-            f"{_size(wire['seqpar'])} (ratio {_ratio(wire['measured'], wire['seqpar'])}); the paper (§4.2.2) "
-            f"{_calls(lc['paper'])} = {_size(wire['paper'])}, the bytes of 4 all-reduces; the rest is the "
-            f"backward re-gather of the saved input shards (and full recompute's repeat)")
+        return ["tp per layer: none (t = 1)"]
+    rows = (("measured in the layers", "measured"), ("seqpar's layers (+ backward re-gathers)", "seqpar"),
+            ("the paper, §4.2.2 (= 4 all-reduces)", "paper"))
+    lines = ["| tp per layer and micro-batch | collectives | bytes | sent per rank (ring) | ratio |",
+             "|---|---|---:|---:|---:|"]
+    for label, key in rows:
+        total = sum(n for _, n in lc[key].values())
+        lines.append(f"| {label} | {_calls(lc[key])} | {_size(total)} | {_size(wire[key])} | "
+                     f"{_ratio(wire[key], wire['seqpar'])} |")
+    return lines
 
 
 def rank_text(name: str, run: ResolvedRun, r: RankRun, check: Check, gpu: GPU | None) -> str:
     """The printed report of one rank."""
     lines = [_header(name, run, r, check), "", *_memory_table(check, gpu), "", *_comm_table(r), "",
-             _layer_line(check), f"wall {r.seconds:.1f} s, peak RSS {_size(r.peak_rss)}"]
+             *_layer_table(check), "", f"wall {r.seconds:.1f} s, peak RSS {_size(r.peak_rss)}"]
     lines += [f"problem: {p}" for p in check.problems]
     return "\n".join(lines)
 
