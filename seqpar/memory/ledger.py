@@ -90,10 +90,13 @@ class ActivationLedger:
         return storage_key(_local(t))
 
     def _weights(self) -> set[int]:
-        """Storages of the parameters, buffers and ``exclude`` tensors the model holds now."""
-        return {self._ptr(w) for w in (*self.model.parameters(), *self.model.buffers(), *self._exclude)}
+        """Storages of the parameters, buffers and ``exclude`` tensors the model holds now (read from
+        the modules' own tables: a swap of compute copies or FSDP2's gathered ones is seen)."""
+        held = (t for m in self._holders for table in (m._parameters, m._buffers) for t in table.values())
+        return {self._ptr(w) for w in (*held, *self._exclude) if w is not None}
 
     def __enter__(self) -> "ActivationLedger":
+        self._holders = [m for m in self.model.modules() if m._parameters or m._buffers]
         self._skip = self._weights()
         for name, module in self.model.named_modules():
             self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
