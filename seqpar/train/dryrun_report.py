@@ -35,7 +35,8 @@ def _header(name: str, run: ResolvedRun, r: RankRun, check: Check) -> str:
     stages = f"pipeline stage(s) {r.stages}, " if run.cfg.parallel.pp > 1 else ""
     return (f"## dry run of {name}: rank {r.rank} of {r.world} ({where}): {stages}{r.layers_built} of "
             f"{run.cfg.model.layers} layers built, {r.parameters:,} parameters, {r.micro_batches} micro-batch(es) "
-            f"of {run.cfg.train.micro_batch} x {run.cfg.model.seq_len} tokens, {r.precision}, {run.dp_mode}")
+            f"of {run.cfg.train.micro_batch} x {run.cfg.model.seq_len} tokens, {r.precision}"
+            + (f", {run.dp_mode} over dp" if run.dp > 1 else ""))
 
 
 def _memory_table(check: Check, gpu: GPU | None) -> list[str]:
