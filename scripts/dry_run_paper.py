@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", default="a100-80gb", help="the GPU of the planner's table")
     args = p.parse_args(argv)
     print("| model | rank | GPUs | " + " | ".join(PARTS) + " | peak GiB | fits | wall s | RSS MiB |")
-    print("|---|---|---:|" + "---:|" * (len(PARTS) + 5))
+    print("|---|---|---:|" + "---:|" * (len(PARTS) + 4))
     for name in args.models.split(","):
         gpus = paper_run(name).gpus
         for _, r, check in dry_run(load_run_config(f"paper/{name}"), gpus, gpu=args.gpu):

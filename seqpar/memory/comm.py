@@ -26,7 +26,8 @@ def wire_bytes(kind: str, nbytes: float, t: int) -> float:
     return float(WIRE_FACTOR[kind] * Fraction(t - 1, t) * Fraction(nbytes))
 
 
-def paper_layer_comm(*, s: int, b: int, h: int, t: int, act: int, sequence_parallel: bool) -> dict[str, tuple[int, int]]:
+def paper_layer_comm(*, s: int, b: int, h: int, t: int, act: int,
+                     sequence_parallel: bool) -> dict[str, tuple[int, int]]:
     """§4.2.2's collectives of one layer for one micro-batch, forward and backward: ``kind ->
     (calls, bytes of the full tensors)`` at ``act``-byte activations (nothing at ``t = 1``)."""
     if t == 1:

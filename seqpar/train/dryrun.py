@@ -258,5 +258,5 @@ def default_ranks(world: int, pp: int) -> list[int]:
     return sorted({0, (pp - 1) * (world // pp)})
 
 
-__all__ = ["FakeRun", "RankRun", "build", "count_built_layers", "default_ranks", "dry_run_rank", "fake_batches", "fake_world",
-           "peak_rss", "reset_peak_rss", "saved_activations", "step", "step_group_names"]
+__all__ = ["FakeRun", "RankRun", "build", "count_built_layers", "default_ranks", "dry_run_rank", "fake_batches",
+           "fake_world", "peak_rss", "reset_peak_rss", "saved_activations", "step", "step_group_names"]

@@ -36,7 +36,7 @@ def _header(name: str, run: ResolvedRun, r: RankRun, check: Check) -> str:
     return (f"## dry run of {name}: rank {r.rank} of {r.world} ({where}): {stages}{r.layers_built} of "
             f"{run.cfg.model.layers} layers built, {r.parameters:,} parameters, {r.micro_batches} micro-batch(es) "
             f"of {run.cfg.train.micro_batch} x {run.cfg.model.seq_len} tokens, {r.precision}"
-            + (f", {run.dp_mode} over dp" if run.dp > 1 else ""))
+            + (f", {run.dp_mode} over dp" + (" x cp" if run.cfg.parallel.cp > 1 else "") if run.dp > 1 else ""))
 
 
 def _memory_table(check: Check, gpu: GPU | None) -> list[str]:
@@ -131,8 +131,9 @@ def report(name: str, results: list[tuple[ResolvedRun, RankRun, Check]], *, gpu:
     table = _gpu(gpu)
     problems = [p for *_, c in results for p in c.problems]
     if as_json:
-        print_(json.dumps({"config": name, "gpu": table.name if table else None, "ranks": [rank_json(r, c) for _, r, c in results],
-                           "problems": problems}, indent=1))
+        ranks = [rank_json(r, c) for _, r, c in results]
+        print_(json.dumps({"config": name, "gpu": table.name if table else None, "ranks": ranks, "problems": problems},
+                          indent=1))
     else:
         print_("\n\n".join(rank_text(name, run, r, c, table) for run, r, c in results))
     return problems
