@@ -108,22 +108,17 @@ def _record(kind: str, t: torch.Tensor, group: ProcessGroup | None = None) -> No
         c.add(kind, t.numel() * t.element_size(), group)
 
 
-@contextmanager
-def issued() -> Iterator[None]:
-    """Around the torch.distributed calls of a collective this package has recorded."""
+def _issue(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, a torch.distributed call of a collective recorded here, marked as
+    :func:`issuing` while a counter is active (no state touched otherwise: torch.compile sees a
+    plain call)."""
+    if not _active_counters:
+        return fn(*args, **kwargs)
     _issuing[0] += 1
     try:
-        yield
+        return fn(*args, **kwargs)
     finally:
         _issuing[0] -= 1
-
-
-@contextmanager
-def _recorded(kind: str, t: torch.Tensor, group: ProcessGroup | None) -> Iterator[None]:
-    """Count one collective of ``kind`` on ``t`` over ``group``, then issue it inside the block."""
-    _record(kind, t, group)
-    with issued():
-        yield
 
 
 # --------------------------------------------------------------------------- collectives
@@ -133,8 +128,8 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = 
     """In-place all-reduce of ``x``; returns the work handle when ``async_op``."""
     if group_size(group) == 1:
         return None
-    with _recorded("all_reduce", x, group):
-        return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    _record("all_reduce", x, group)
+    return _issue(dist.all_reduce, x, op=op, group=group, async_op=async_op)
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], group: ProcessGroup | None, *, mean: bool = False) -> None:
@@ -163,8 +158,8 @@ def all_gather_dim0(x: torch.Tensor, group: ProcessGroup | None, *, out: torch.T
     x = x.contiguous()
     if out is None:
         out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    with _recorded("all_gather", out, group):
-        handle = _all_gather_single(out, x, group=group, async_op=async_op)
+    _record("all_gather", out, group)
+    handle = _issue(_all_gather_single, out, x, group=group, async_op=async_op)
     return out, handle
 
 
@@ -201,16 +196,16 @@ def reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup | None, *, async_op
         return x, None
     x = x.contiguous()
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    with _recorded("reduce_scatter", x, group):
-        if _uses_gloo(group):
-            received = torch.empty_like(x)
-            work = dist.all_to_all_single(received, x, group=group, async_op=async_op)
-            handle = _SumChunksOnWait(work if async_op else None, received, out, t)
-            if async_op:
-                return out, handle
-            handle.wait()
-            return out, None
-        handle = _reduce_scatter_single(out, x, group=group, async_op=async_op)
+    _record("reduce_scatter", x, group)
+    if _uses_gloo(group):
+        received = torch.empty_like(x)
+        work = _issue(dist.all_to_all_single, received, x, group=group, async_op=async_op)
+        handle = _SumChunksOnWait(work if async_op else None, received, out, t)
+        if async_op:
+            return out, handle
+        handle.wait()
+        return out, None
+    handle = _issue(_reduce_scatter_single, out, x, group=group, async_op=async_op)
     return out, handle
 
 
