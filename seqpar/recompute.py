@@ -21,11 +21,14 @@ both passes.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Literal, Sequence, get_args
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .distributed.rng import RNGStreams, capture_rng, replay_rng
 
@@ -131,3 +134,45 @@ def layer_recompute_plan(modes: Sequence[str]) -> list[tuple[int, int, bool]]:
         else:
             runs.append((i, i + 1, mode == "full"))
     return runs
+
+
+# ----------------------------------------------------------------------------- compiled blocks
+# Under torch.compile a transformer block runs inside torch.utils.checkpoint with a selective
+# checkpoint policy the compiler honours: every op of the attention core is recomputed
+# (selective), everything else is saved, exactly as the eager step keeps it (none). The min-cut
+# partitioner would otherwise pick its own recomputation and change Table 2's bytes.
+_SDPA_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_attention_math", "scaled_dot_product_attention")
+
+
+def attention_core_ops() -> frozenset:
+    """The aten (and seqpar) ops of :class:`seqpar.model.attention.CoreAttention`: QK^T with the
+    causal bias, softmax, the core's dropout, attention over V, and the fused SDPA kernels."""
+    aten = torch.ops.aten
+    ops = {aten.baddbmm.default, aten.bmm.default, aten._softmax.default, aten.softmax.int,
+           torch.ops.seqpar.core_dropout.default}
+    ops.update(getattr(aten, name).default for name in _SDPA_KERNELS if hasattr(aten, name))
+    return frozenset(ops)
+
+
+def block_policy(mode: RecomputeMode) -> Callable:
+    """The selective-checkpoint policy of a compiled block at recompute ``mode`` ("none" or
+    "selective"; a full layer is checkpointed around its compiled block by :func:`checkpoint`)."""
+    if mode not in ("none", "selective"):
+        raise ValueError(f"a compiled block's own policy is 'none' or 'selective', got {mode!r}")
+    core = attention_core_ops() if mode == "selective" else frozenset()
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_RECOMPUTE if op in core else CheckpointPolicy.MUST_SAVE
+    return policy
+
+
+_POLICIES: dict[str, Callable] = {mode: block_policy(mode) for mode in ("none", "selective")}  # built untraced
+
+
+def run_with_policy(fn: Callable, x: torch.Tensor, mode: RecomputeMode) -> torch.Tensor:
+    """``fn(x)`` under ``mode``'s selective-checkpoint policy (traced by torch.compile as one
+    region; the stream states a dropout advances are advanced once, in forward)."""
+    context = partial(create_selective_checkpoint_contexts, _POLICIES[mode])
+    return torch_checkpoint(fn, x, use_reentrant=False, context_fn=context)

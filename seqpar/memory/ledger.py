@@ -45,6 +45,12 @@ def _refine(term: str, role: str, t: torch.Tensor) -> str:
     return term
 
 
+def _is_compiled(module: nn.Module) -> bool:
+    """Whether ``module``'s forward is a compiled block's (:mod:`seqpar.parallel.compile`): hooks on
+    its submodules would be traced into (and recompile) its graph."""
+    return bool(getattr(module.__dict__.get("forward"), "__wrapped__", False))
+
+
 @dataclass
 class SavedTensor:
     module: str          # qualified module name ("" = the root)
@@ -86,7 +92,10 @@ class ActivationLedger:
 
     def __enter__(self) -> "ActivationLedger":
         self._skip = self._weights()
+        compiled = [name + "." for name, m in self.model.named_modules() if _is_compiled(m)]
         for name, module in self.model.named_modules():
+            if any(name.startswith(prefix) for prefix in compiled):
+                continue  # inside a compiled block: one graph, charged to the block
             self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post(), always_call=True))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)

@@ -43,8 +43,7 @@ class Dropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        with self.streams.fork(self.stream):
-            return torch.native_dropout(x, self.p, True)[0]
+        return self.streams.dropout(x, self.p, self.stream)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, stream={self.stream!r}"
