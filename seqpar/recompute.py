@@ -156,15 +156,33 @@ def attention_core_ops() -> frozenset:
     return frozenset(ops)
 
 
+def sequence_gather_ops() -> frozenset:
+    """The traced form of the SP all-gather (g) and of waiting on it. A column-parallel layer keeps
+    only its sequence shard and gathers again in backward (§4.2.2); saving the gathered tensor
+    instead would keep ``t`` times the bytes, so a compiled block recomputes the gather."""
+    ops = set()
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    for name in ("all_gather_into_tensor", "wait_tensor"):
+        packet = getattr(functional, name, None) if functional is not None else None
+        if packet is not None:
+            ops.add(packet.default)
+    return frozenset(ops)
+
+
 def block_policy(mode: RecomputeMode) -> Callable:
     """The selective-checkpoint policy of a compiled block at recompute ``mode`` ("none" or
     "selective"; a full layer is checkpointed around its compiled block by :func:`checkpoint`)."""
     if mode not in ("none", "selective"):
         raise ValueError(f"a compiled block's own policy is 'none' or 'selective', got {mode!r}")
     core = attention_core_ops() if mode == "selective" else frozenset()
+    gathers = sequence_gather_ops()
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_RECOMPUTE if op in core else CheckpointPolicy.MUST_SAVE
+        if op in core:
+            return CheckpointPolicy.MUST_RECOMPUTE
+        if op in gathers:  # re-gathered in backward, as the eager layers do
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
     return policy
 
 

@@ -152,6 +152,9 @@ class TrainConfig:
     # a step whose gradients hold NaN/inf: "stop" the run naming the step, or "skip" the optimizer
     # step (weights untouched) and count it
     nonfinite_grads: Literal["stop", "skip"] = "stop"
+    # compile each transformer block (torch.compile, fullgraph): true | false | auto (on for CUDA,
+    # off for the CPU, where compiled blocks measured no faster: docs/benchmarks.md)
+    compile: bool | Literal["auto"] = "auto"
     # GiB per GPU that model.recompute: auto must fit (state, activations and the planner's
     # workspace allowance, seqpar.plan.memory); None = no budget
     memory_budget_gib: float | None = None
@@ -170,6 +173,7 @@ class TrainConfig:
             check_number(f"train.{name}", getattr(self, name), rule)
         check_choice("train.precision", self.precision, PRECISION_SETTINGS)
         check_choice("train.nonfinite_grads", self.nonfinite_grads, ("stop", "skip"))
+        check_choice("train.compile", self.compile, (True, False, "auto"))
         if self.memory_budget_gib is not None:
             check_number("train.memory_budget_gib", self.memory_budget_gib, "> 0")
 

@@ -11,7 +11,8 @@ compiled blocks, as in eager mode.
 
 The block's parameters keep their names (the compiled function is set as the block instance's
 ``forward``; nothing is wrapped), so state dicts, checkpoints and FSDP2 are unchanged. All blocks
-share one compiled graph per distinct shape and mode.
+share one compiled graph per distinct shape and mode. Only training-mode forwards are compiled:
+evaluation and generation (whose sequence grows token by token) run the eager block.
 """
 from __future__ import annotations
 
@@ -44,6 +45,19 @@ class CompileReport:
                 f"recompute policy){took}")
 
 
+def merge_reports(reports: list[CompileReport]) -> CompileReport:
+    """One report for several model parts (a rank's pipeline stages)."""
+    modes = sorted({m for r in reports for m in r.mode.split("/")})
+    return CompileReport(sum(r.blocks for r in reports), "/".join(modes))
+
+
+def compile_enabled(setting: bool | str, device: torch.device) -> bool:
+    """``train.compile``: true, false, or auto (on for CUDA, off for the CPU)."""
+    if setting == "auto":
+        return torch.device(device).type == "cuda"
+    return bool(setting)
+
+
 def compile_seconds() -> float:
     """Seconds torch.compile has spent so far in this process (dynamo, AOT and Inductor, forward and
     backward graphs), from dynamo's own timing table."""
@@ -68,6 +82,8 @@ def _fresh_forward() -> Callable:
 
 def _compiled(block: nn.Module, compiled: Callable) -> Callable:
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if not block.training:  # evaluation and generation (growing lengths) run the eager block
+            return type(block).forward(block, x)
         with torch._dynamo.config.patch(**_DYNAMO_OPTIONS):
             return compiled(block, x)
     forward.__wrapped__ = True  # marks a compiled forward, for uncompile_blocks
