@@ -23,6 +23,7 @@ from ..memory.whole_model import model_activation_bytes
 from .engine import Batch, PrecisionRecipe, StepEngine
 from ..memory import PeakActivationLedger, layers_in_flight
 from .pipeline import build_pipeline, resolve_schedule
+from .tp_overlap import apply_tp_overlap
 
 
 class PipelineEngine(StepEngine):
@@ -37,6 +38,7 @@ class PipelineEngine(StepEngine):
                                    virtual_stages=pc.virtual_stages, n_microbatches=accum, activation_dtype=dtype,
                                    time_cuda=False)  # synchronized only on timed steps
         self.module = self.pipe.module  # an nn.ModuleList of this rank's stages
+        apply_tp_overlap(self.module, pc.tp_overlap)
         self.parts, self.full_model = list(self.pipe.parts), None
         self.peak: int | None = None  # peak saved-activation bytes inside the layers, first step
 

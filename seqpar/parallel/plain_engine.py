@@ -18,6 +18,7 @@ from ..distributed.mesh import ParallelMesh
 from ..model import GPT
 from .data_parallel import DataParallel
 from .engine import ActivationProbe, Batch, PrecisionRecipe, StepEngine
+from .tp_overlap import apply_tp_overlap
 
 
 class PlainEngine(StepEngine):
@@ -27,6 +28,7 @@ class PlainEngine(StepEngine):
                  probe: Callable[[nn.Module, torch.device], ActivationProbe] | None = None):
         self.cfg, self.mesh, self.accum, self.precision = cfg, mesh, accum, precision
         self.model = GPT(cfg.model, mesh, seed=cfg.train.seed, cp_comm=cfg.parallel.cp_comm)
+        apply_tp_overlap(self.model, cfg.parallel.tp_overlap)  # TP/SP -> overlap -> ... -> data parallel
         mode = cfg.parallel.data_parallel_mode(mesh.dp_size)
         self.data_parallel = DataParallel(self.model, mesh, mode, precision=precision.name,
                                           master_weights=precision.master_weights,
