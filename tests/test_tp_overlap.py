@@ -1,18 +1,22 @@
 """Overlapped TP communication (``parallel.tp_overlap``): SP's all-gather and reduce-scatter cut into
 per-rank chunks under the GEMMs give the plain layers' results (fp64 <= 1e-10, forward and
 backward, t = 2 and 4), move the same bytes and keep the same tensors for backward."""
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
 
 from distributed_harness import rel_err, tp_group_of
 from gpt_helpers import batch, loss_and_dense_grads, mesh_for, tiny_config
-from run_helpers import learnable_overrides, train_rank
+from run_helpers import learnable_overrides, run_overrides, train_rank
+from seqpar import init_parallel
 from seqpar.config import load_run_config
 from seqpar.distributed import count_comm
 from seqpar.layers import ColumnParallelLinear, RowParallelLinear
 from seqpar.model import GPT
 from seqpar.parallel import apply_tp_overlap
+from seqpar.train import Trainer
 
 S, B, H, F = 8, 2, 12, 8  # sequence, batch, in and out features (tiny: the checks are exact)
 
@@ -146,6 +150,29 @@ def test_trainer_tp_overlap_gives_the_same_losses(spawn, tmp_path):
                                                        "checkpoint.dir": str(tmp_path / "ckpt-on")})
     for (plain, rings_off), (overlapped, rings_on) in spawn(_train_both, 2, off, on):
         assert len(plain) == 4 and rings_off == 0 and rings_on > 0  # the overlapped layers ran
+        assert max(abs(a - b) for a, b in zip(plain, overlapped)) <= 1e-5, (plain, overlapped)
+
+
+def _pipeline_both(rank, world, tmp):
+    """t=2 x p=2 (4 ranks), overlap off then on: the pipeline engine applies the mode to its stages."""
+    runs = []
+    for on in (False, True):
+        overrides = run_overrides(Path(tmp) / str(on), {
+            "model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 4, "model.layers": 2,
+            "model.dropout": 0.0, "model.attention_dropout": 0.0, "train.steps": 3, "train.micro_batch": 2,
+            "train.global_batch": 4, "train.precision": "fp32", "parallel.tp": 2, "parallel.pp": 2,
+            "parallel.tp_overlap": on, "checkpoint.interval": 0})
+        trainer = Trainer(load_run_config(None, overrides), mesh=init_parallel(tp=2, pp=2))
+        with count_comm() as comm:
+            losses = [trainer.train_step(step).loss for step in range(3)]
+        trainer.close()
+        runs.append((losses, comm.calls.get("send_recv", 0)))
+    return runs
+
+
+def test_pipeline_stages_take_tp_overlap(spawn, tmp_path):
+    for (plain, rings_off), (overlapped, rings_on) in spawn(_pipeline_both, 4, str(tmp_path)):
+        assert rings_off == 0 and rings_on > 0
         assert max(abs(a - b) for a, b in zip(plain, overlapped)) <= 1e-5, (plain, overlapped)
 
 

@@ -4,6 +4,10 @@ These are the only places seqpar talks to ``torch.distributed``. Each takes its 
 group explicitly. Sequence shards are contiguous dim-0 slices, so the dim-0 gathers and
 reduce-scatters below write straight into one output buffer (no concatenation copy).
 
+Beyond the collectives: :func:`ring_send_recv`, one point-to-point step of a ring (the
+overlapped TP layers cut an all-gather or reduce-scatter into ``t-1`` of them), and the wrappers
+of PyTorch's async-TP kernels (symmetric memory, CUDA + NCCL) behind :func:`async_tp_group_name`.
+
 torch >= 2.13 names the single-tensor collectives ``all_gather_single`` /
 ``reduce_scatter_single``; older releases call them ``all_gather_into_tensor`` /
 ``reduce_scatter_tensor``. Both are supported.
