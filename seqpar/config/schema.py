@@ -72,6 +72,10 @@ class ParallelConfig:
     # ("allgather") or by a ring of point-to-point steps overlapped with the blocks ("ring")
     cp: int = 1
     cp_comm: CPComm = "allgather"
+    # sequence parallelism's all-gather before each column-parallel GEMM and reduce-scatter after
+    # each row-parallel GEMM cut into per-rank chunks, each transfer under another chunk's GEMM
+    # (forward and backward; PyTorch's async-TP kernels on CUDA + NCCL); same results and bytes
+    tp_overlap: bool = False
 
     def validate(self) -> None:
         check_choice("parallel.cp_comm", self.cp_comm, CP_COMMS)
@@ -220,6 +224,9 @@ class RunConfig:
         self._validate_pipeline()
         self.model.check_parallel(self.parallel.tp)
         self._validate_context()
+        if self.parallel.tp_overlap and not self.model.sequence_parallel:
+            raise ValueError("parallel.tp_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter "
+                             "with the GEMMs; it needs model.sequence_parallel=true")
 
     def _validate_context(self) -> None:
         """Context parallelism: the sequence into 2*cp chunks (over t under SP); what cp does not

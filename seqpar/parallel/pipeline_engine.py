@@ -24,6 +24,7 @@ from .engine import Batch, PrecisionRecipe, StepEngine
 from ..memory import PeakActivationLedger, layers_in_flight
 from .compile import compile_blocks, compile_enabled, merge_reports
 from .pipeline import build_pipeline, resolve_schedule
+from .tp_overlap import apply_tp_overlap
 
 
 class PipelineEngine(StepEngine):
@@ -38,6 +39,7 @@ class PipelineEngine(StepEngine):
                                    virtual_stages=pc.virtual_stages, n_microbatches=accum, activation_dtype=dtype,
                                    time_cuda=False)  # synchronized only on timed steps
         self.module = self.pipe.module  # an nn.ModuleList of this rank's stages
+        apply_tp_overlap(self.module, pc.tp_overlap)
         if compile_enabled(cfg.train.compile, mesh.device):
             reports = [compile_blocks(part, list(part.blocks.values())) for part in self.pipe.parts]
             self.compiled = merge_reports(reports)
