@@ -71,13 +71,13 @@ def _policy_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return run_with_policy(type(block).forward.__get__(block), x, mode)
 
 
-def _fresh_forward() -> Callable:
+def _fresh_forward(backend: str | Callable = "inductor") -> Callable:
     """A compiled :func:`_policy_forward` with a code object of its own. Dynamo keeps its graphs
     (and its recompile limit) per code object: every block of one model shares this function's
     graphs (the block is an argument, one graph per distinct shape and mode), and another model
     in the same process does not eat into them."""
     fn = types.FunctionType(_policy_forward.__code__.replace(), _policy_forward.__globals__, "_policy_forward")
-    return torch.compile(fn, fullgraph=True)
+    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 def _compiled(block: nn.Module, compiled: Callable) -> Callable:
@@ -90,11 +90,12 @@ def _compiled(block: nn.Module, compiled: Callable) -> Callable:
     return forward
 
 
-def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module] | None = None) -> CompileReport:
+def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module] | None = None, *,
+                   backend: str | Callable = "inductor") -> CompileReport:
     """Compile each transformer block of ``model`` (a seqpar GPT, or the blocks given) in place.
 
     A block is compiled once: calling this again is a no-op for it. The model's dropout streams
-    are seeded first (creating generators cannot be traced)."""
+    are seeded first (creating generators cannot be traced). ``backend``: torch.compile's."""
     from ..model.gpt import Block  # parallel applies to the model from outside
     check_compilable(model)
     rng = getattr(model, "rng", None)
@@ -102,7 +103,7 @@ def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module] | None = None) 
         rng.materialize()
     chosen = [b for b in (model.blocks if blocks is None else blocks) if isinstance(b, Block)]
     tables: dict[tuple, torch.Tensor] = {}  # one causal-bias table per shape, shared by the layers
-    compiled = _fresh_forward()
+    compiled = _fresh_forward(backend)
     for block in chosen:
         if "forward" not in block.__dict__:
             _prepare_tables(block, getattr(model, "config", None), tables)
@@ -117,8 +118,11 @@ def _prepare_tables(block: nn.Module, config, tables: dict) -> None:
     core, weight = block.attn.core, block.attn.qkv.weight
     if config is None:
         return
-    if block.attn.rope is not None:
-        block.attn.rope.tables.get(config.seq_len, weight.dtype, weight.device)
+    rope = block.attn.rope
+    if rope is not None:  # held as buffers too: a compiled graph keeps them, and they are no activation
+        cos, sin = rope.tables.get(config.seq_len, weight.dtype, weight.device)
+        rope.register_buffer("cos_table", cos, persistent=False)
+        rope.register_buffer("sin_table", sin, persistent=False)
     if core.kind != "math":
         return
     from ..model.attention import causal_bias
