@@ -204,6 +204,18 @@ _POLICIES: dict[tuple[str, bool], Callable] = {(mode, low): block_policy(mode, l
                                                for low in (False, True)}  # built untraced
 
 
+def _recompute_everything(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def recompute_region(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+    """``fn(*args)`` keeping only ``args``, every op recomputed in backward: the compiled form of
+    :func:`checkpoint` (a selective-checkpoint policy the compiler honours). Random ops inside draw
+    from the default generator; seqpar's own dropout replays its saved stream state."""
+    context = partial(create_selective_checkpoint_contexts, _recompute_everything)
+    return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=context)
+
+
 def run_with_policy(fn: Callable, x: torch.Tensor, mode: RecomputeMode) -> torch.Tensor:
     """``fn(x)`` under ``mode``'s selective-checkpoint policy (traced by torch.compile as one
     region; the stream states a dropout advances are advanced once, in forward)."""
