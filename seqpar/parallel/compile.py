@@ -41,7 +41,8 @@ class CompileReport:
 
     def line(self) -> str:
         took = "" if self.seconds is None else f", {self.seconds:.1f} s compiling in the first step"
-        return (f"compile: {self.blocks} transformer blocks compiled one by one (fullgraph, {self.mode} "
+        blocks = f"{self.blocks} transformer block" + ("s" if self.blocks != 1 else "")
+        return (f"compile: {blocks} compiled one by one (fullgraph, {self.mode} "
                 f"recompute policy){took}")
 
 
