@@ -143,6 +143,10 @@ def uncompile_blocks(model: nn.Module) -> None:
 
 def check_compilable(model: nn.Module) -> None:
     """Refuse what compiled blocks do not support yet, naming the setting."""
+    missing = [k for k in _DYNAMO_OPTIONS if not hasattr(torch._dynamo.config, k)]
+    if missing:
+        raise ValueError(f"train.compile needs a PyTorch whose torch._dynamo.config has {missing} (this is "
+                         f"{torch.__version__}); upgrade PyTorch or set train.compile=false")
     cfg = getattr(model, "config", None)
     cp = getattr(getattr(model, "cp", None), "size", 1)
     if cp > 1:
