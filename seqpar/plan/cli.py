@@ -117,7 +117,8 @@ def _print_search(args, problem: Problem, sections: dict, name: str) -> None:
     result = search(problem, space, k=args.top)
     print(f"## {name} on {problem.gpus} x {problem.gpu.name}: global batch {problem.global_batch}, "
           f"{problem.gpus_per_node} GPUs per node, {problem.precision}, {problem.gpu.hbm_bytes / GIB:.1f} GiB per GPU"
-          + (f" ({problem.headroom:.0%} kept free: {problem.budget / GIB:.1f} GiB planned)" if problem.headroom else ""))
+          + (f" ({problem.headroom:.0%} kept free: {problem.budget / GIB:.1f} GiB planned)"
+             if problem.headroom else ""))
     print(f"{result.evaluated} layouts evaluated, {len(result.ranked)} fit ({time.perf_counter() - start:.1f} s)\n")
     if not result.ranked:
         raise ValueError(f"no layout of {name} fits {problem.gpus} x {problem.gpu.name}; try more GPUs or "

@@ -106,8 +106,8 @@ class Memory:
         name, size = max(((k, v) for k, v in self.parts.items() if k != "workspace"), key=lambda kv: kv[1])
         cut = over / (1 + FRAGMENTATION)  # the allowance shrinks with it
         kept = f" less the {self.headroom / GIB:.2f} GiB headroom" if self.headroom else ""
-        return (f"needs {self.total / GIB:.2f} GiB of {self.capacity / GIB:.2f} GiB{kept} on stage {self.stage}, over by "
-                f"{over / GIB:.2f} GiB; the largest term, {name} ({size / GIB:.2f} GiB), would have to shrink by "
+        return (f"needs {self.total / GIB:.2f} GiB of {self.capacity / GIB:.2f} GiB{kept} on stage {self.stage}, "
+                f"over by {over / GIB:.2f} GiB; the largest term, {name} ({size / GIB:.2f} GiB), would have to shrink by "
                 f"{cut / GIB:.2f} GiB to {(size - cut) / GIB:.2f} GiB")
 
 
