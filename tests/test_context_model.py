@@ -46,6 +46,9 @@ def _cp2_worker(rank, world):
                 for sp in (True, False):
                     cfg = tiny_config(layers=2, recompute=recompute, sequence_parallel=sp, **extra)
                     errs[(name, comm, recompute, sp)] = _compare(cfg, mesh, comm)
+            # model.attention=sdpa: the blocks on the CPU flash kernel, the same model to 1e-5
+            cfg = tiny_config(layers=2, recompute="selective", attention="sdpa", **extra)
+            errs[(name, comm, "sdpa")] = _compare(cfg, mesh, comm)
     return errs
 
 

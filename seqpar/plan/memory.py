@@ -113,13 +113,15 @@ class Memory:
 
 def context_transient(model: GPTConfig, layout: Layout) -> float:
     """Backward transient of the context-parallel kernel: one ``[c, c]`` block's fp32 scores,
-    probabilities and their gradient; with the all-gather exchange (pipeline stages) also the whole
-    sequence's K/V, their gradients and the copies that reorder them, about four fp32
-    ``[s, 2, b, g/t, d]`` tensors (the ring holds one block of K/V at a time)."""
+    probabilities and their gradient (``model.attention: math``), or under ``sdpa``'s fused kernels
+    (which never hold a block's scores) the block's K/V repeated to ``a/t`` heads and their
+    gradients, fp32; with the all-gather exchange (pipeline stages) also the whole sequence's K/V,
+    their gradients and the copies that reorder them, about four fp32 ``[s, 2, b, g/t, d]`` tensors
+    (the ring holds one block of K/V at a time)."""
     if layout.cp == 1:
         return 0.0
-    b, c = layout.micro_batch, model.seq_len // (2 * layout.cp)
-    block = 3 * 4 * b * (model.heads // layout.tp) * c * c
+    b, c, heads = layout.micro_batch, model.seq_len // (2 * layout.cp), model.heads // layout.tp
+    block = 3 * 4 * b * heads * c * c if model.attention == "math" else 4 * 4 * b * heads * c * model.head_dim
     if layout.cp_comm == "ring":
         return float(block)
     kv = 2 * model.seq_len * b * (model.held_kv_heads(layout.tp) // layout.tp) * model.head_dim
