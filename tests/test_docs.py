@@ -150,7 +150,7 @@ def _is_placeholder(arg: str) -> bool:
 
 
 def config_problems(cmd: str, args: list[str]) -> list[str]:
-    """Configs named by train / memory / plan resolve; train's and import's overrides load."""
+    """Configs named by train / memory / plan resolve; the overrides of each (train, import: always) load."""
     from seqpar.config import load_run_config, resolve_config
 
     if cmd not in ("train", "memory", "plan", "import"):
@@ -158,7 +158,7 @@ def config_problems(cmd: str, args: list[str]) -> list[str]:
     flags_with_values = {"--nproc-per-node", "--max-restarts", "--gpus", "--gpu", "--tp", "--dp", "--png",
                          "--data-parallel", "--precision", "--top", "--layout", "--space", "--peak-tflops",
                          "--hbm-gib", "--nvlink-gbps", "--ib-gbps", "--micro-batch", "--max-gib", "--config",
-                         "--global-batch", "--gpus-per-node", "--dtype"}
+                         "--global-batch", "--gpus-per-node", "--dtype", "--cp", "--headroom"}
     positional, config_flag, skip = [], None, False
     for i, a in enumerate(args):
         if skip:
@@ -192,6 +192,12 @@ def config_problems(cmd: str, args: list[str]) -> list[str]:
             load_run_config(config, overrides)
         except Exception as e:  # noqa: BLE001 - the error is the finding
             bad.append(f"seqpar {cmd} {' '.join(args)}: {type(e).__name__}: {e}")
+    if cmd in ("memory", "plan") and overrides:
+        for name in (n for n in names if not _is_placeholder(n)):
+            try:
+                load_run_config(name, overrides)
+            except Exception as e:  # noqa: BLE001 - the error is the finding
+                bad.append(f"seqpar {cmd} {' '.join(args)}: {type(e).__name__}: {e}")
     return bad
 
 

@@ -61,8 +61,8 @@ class ParallelConfig:
     # fsdp: free the gathered parameters after each block's forward and gather them again for its
     # backward (ZeRO-3-like, least memory) or keep them until backward (ZeRO-2-like, fewer gathers)
     reshard_after_forward: bool = True
-    # ddp with the bf16 recipe: the fp32 gradients are all-reduced over dp in buckets of about this
-    # many MiB, each launched as soon as backward has produced all of its gradients
+    # ddp: gradients are all-reduced over dp (x cp) in buckets of about this many MiB, each launched
+    # as soon as backward has produced all of its gradients (the bf16 recipe's fp32 buckets, or DDP's)
     bucket_mib: float = 25.0
     # pipeline schedule: None = "1F1B" when virtual_stages is 1, else "Interleaved1F1B"; "GPipe"
     # (all forwards, then all backwards) for comparison

@@ -118,11 +118,27 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = 
     return dist.all_reduce(x, op=op, group=group, async_op=async_op)
 
 
-def all_reduce_coalesced(tensors: list[torch.Tensor], group: ProcessGroup | None, *, mean: bool = False) -> None:
-    """Sum (or average) ``tensors`` in place over ``group`` with one all-reduce per dtype through a
-    flat buffer (gradient reductions: one collective, not one per parameter)."""
+def all_reduce_future(x: torch.Tensor, group: ProcessGroup | None) -> torch.futures.Future:
+    """Asynchronous in-place sum of ``x`` over ``group`` as a future of ``x`` (DDP communication
+    hooks return one)."""
+    work = all_reduce(x, group, async_op=True)
+    if work is None:
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(x)
+        return done
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def all_reduce_coalesced(tensors: list[torch.Tensor], group: ProcessGroup | None, *, mean: bool = False,
+                         divide_by: int = 1) -> None:
+    """Sum (``mean``: average; ``divide_by``: divide the sum by it) ``tensors`` in place over ``group``
+    with one all-reduce per dtype through a flat buffer (one collective, not one per parameter)."""
     t = group_size(group)
-    if t == 1 or not tensors:
+    divide_by = t if mean else divide_by
+    if not tensors or (t == 1 and divide_by == 1):
+        return
+    if t == 1:
+        torch._foreach_div_(tensors, float(divide_by))
         return
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for x in tensors:
@@ -130,8 +146,8 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: ProcessGroup | None
     for xs in by_dtype.values():
         flat = torch.cat([x.reshape(-1) for x in xs])
         all_reduce(flat, group)
-        if mean:
-            flat.div_(t)
+        if divide_by != 1:
+            flat.div_(divide_by)
         torch._foreach_copy_(xs, [f.view_as(x) for f, x in zip(flat.split([x.numel() for x in xs]), xs)])
 
 

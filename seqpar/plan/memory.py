@@ -39,16 +39,20 @@ from .layout import Layout, micro_batches
 # cuBLAS workspaces, RNG states and small buffers (~0.5 GiB)
 WORKSPACE_BYTES = 2.5 * GIB
 FRAGMENTATION = 0.05        # of all tensor bytes: allocator blocks that cannot be reused
+# of the GPU's memory, left free by the layouts the search ranks (beyond the allowance above): the
+# formulas leave out a few percent (the ledger agrees within 3%), so a layout predicted at 99.9% of
+# the GPU is a gamble, not a plan; budgets (train.memory_budget_gib) are taken as given
+HEADROOM = 0.05
 ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}  # the precisions the planner models
 STATE_PARTS = ("parameters", "gradients", "optimizer", "state_during_step")
 
 
 def state_parts(model: GPTConfig, layout: Layout, stage: int, precision: str) -> dict[str, float]:
     """Training-state bytes of one GPU of pipeline stage ``stage``, by :data:`STATE_PARTS`."""
-    t, p = layout.tp, layout.pp
-    per = state_bytes_per_parameter(precision, layout.data_parallel, dp=layout.dp)
+    t, p, shards = layout.tp, layout.pp, layout.dp * layout.cp  # FSDP2 shards over dp x cp
+    per = state_bytes_per_parameter(precision, layout.data_parallel, dp=shards)
     b = training_state_bytes(per, params=stage_params(model, t=t, pp=p, stage=stage),
-                             unit_params=layer_params(model, t), dp=layout.dp,
+                             unit_params=layer_params(model, t), dp=shards,
                              root=root_params(model, t, first=stage == 0, last=stage == p - 1, pp=p))
     return {"parameters": b["parameters"], "gradients": b["gradients"], "optimizer": b["optimizer"],
             "state_during_step": b["step_transient"]}
@@ -81,6 +85,7 @@ class Memory:
     parts: dict[str, float]
     capacity: float
     stage: int
+    headroom: float = 0.0  # bytes of ``capacity`` the layout must leave free
 
     @property
     def total(self) -> float:
@@ -88,18 +93,39 @@ class Memory:
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.capacity
+        return self.total + self.headroom <= self.capacity
 
     def overflow(self) -> str:
         """Which term makes the layout overflow, and by how much (empty when it fits)."""
         if self.fits:
             return ""
-        over = self.total - self.capacity
+        over = self.total + self.headroom - self.capacity
+        if self.total <= self.capacity:
+            return (f"needs {self.total / GIB:.2f} GiB of {self.capacity / GIB:.2f} GiB on stage {self.stage}, "
+                    f"leaving less than the {self.headroom / GIB:.2f} GiB headroom (short by {over / GIB:.2f} GiB)")
         name, size = max(((k, v) for k, v in self.parts.items() if k != "workspace"), key=lambda kv: kv[1])
         cut = over / (1 + FRAGMENTATION)  # the allowance shrinks with it
-        return (f"needs {self.total / GIB:.2f} GiB of {self.capacity / GIB:.2f} GiB on stage {self.stage}, over by "
-                f"{over / GIB:.2f} GiB; the largest term, {name} ({size / GIB:.2f} GiB), would have to shrink by "
+        kept = f" less the {self.headroom / GIB:.2f} GiB headroom" if self.headroom else ""
+        return (f"needs {self.total / GIB:.2f} GiB of {self.capacity / GIB:.2f} GiB{kept} on stage {self.stage}, "
+                f"over by {over / GIB:.2f} GiB; the largest term, {name} ({size / GIB:.2f} GiB), would have to shrink by "
                 f"{cut / GIB:.2f} GiB to {(size - cut) / GIB:.2f} GiB")
+
+
+def context_transient(model: GPTConfig, layout: Layout) -> float:
+    """Backward transient of the context-parallel kernel: one ``[c, c]`` block's fp32 scores,
+    probabilities and their gradient (``model.attention: math``), or under ``sdpa``'s fused kernels
+    (which never hold a block's scores) the block's K/V repeated to ``a/t`` heads and their
+    gradients, fp32; with the all-gather exchange (pipeline stages) also the whole sequence's K/V,
+    their gradients and the copies that reorder them, about four fp32 ``[s, 2, b, g/t, d]`` tensors
+    (the ring holds one block of K/V at a time)."""
+    if layout.cp == 1:
+        return 0.0
+    b, c, heads = layout.micro_batch, model.seq_len // (2 * layout.cp), model.heads // layout.tp
+    block = 3 * 4 * b * heads * c * c if model.attention == "math" else 4 * 4 * b * heads * c * model.head_dim
+    if layout.cp_comm == "ring":
+        return float(block)
+    kv = 2 * model.seq_len * b * (model.held_kv_heads(layout.tp) // layout.tp) * model.head_dim
+    return float(block + 4 * 4 * kv)
 
 
 def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, precision: str) -> dict[str, float]:
@@ -117,9 +143,7 @@ def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, pr
         working += unit * per["none"]
     elif counts["selective"]:
         working += per["none"] - per["selective"]
-    if layout.cp > 1:  # the CP kernel's fp32 scores, probabilities and their gradient of one [c, c] block
-        c = model.seq_len // (2 * layout.cp)
-        working += 3 * 4 * layout.micro_batch * (model.heads // layout.tp) * c * c
+    working += context_transient(model, layout)
     parts = state_parts(model, layout, stage, precision)
     parts["activations"] = held * inflight_layers(layout, n_micro, stage)
     cfg = dims.with_sequence_parallel(model, layout.sequence_parallel)
@@ -132,12 +156,13 @@ def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, pr
 
 
 def memory_per_gpu(model: GPTConfig, layout: Layout, capacity: float, global_batch: int,
-                   precision: str = "bf16") -> Memory:
-    """Bytes per GPU by part on the busiest pipeline stage (the first, or the last for small p)."""
+                   precision: str = "bf16", headroom: float = 0.0) -> Memory:
+    """Bytes per GPU by part on the busiest pipeline stage (the first, or the last for small p);
+    it fits when ``headroom`` bytes of ``capacity`` are left free."""
     if precision not in ACTIVATION_BYTES:
         raise ValueError(f"precision must be one of {sorted(ACTIVATION_BYTES)}, got {precision!r}")
     n_micro = micro_batches(layout, global_batch)
     stages = {0} | {layout.pp - 1}
     best = max(((_stage_memory(model, layout, n_micro, r, precision), r) for r in stages),
                key=lambda pr: sum(pr[0].values()))
-    return Memory(best[0], capacity, best[1])
+    return Memory(best[0], capacity, best[1], headroom)
