@@ -336,10 +336,11 @@ def run_checks(device: str, tp: int, only: tuple[str, ...]) -> list[Row]:
     runs = {"sdpa": gpu_runs.check_sdpa_replay, "resume": gpu_runs.check_resume,
             "precision": gpu_runs.check_bf16_autocast, "syncs": gpu_runs.check_host_syncs,
             "lines": gpu_runs.check_memory_lines, "async": gpu_runs.check_async_save}
-    rows = []
+    rows: list[Row] = []
     for name in only:
         if name == "tp" and tp < 2:
             continue
+        done = len(rows)
         if device == "cuda":
             print(f"[{name}: planned ~{PLANNED_S[name]} s on an H200]", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
@@ -354,6 +355,9 @@ def run_checks(device: str, tp: int, only: tuple[str, ...]) -> list[Row]:
             traceback.print_exc()
             rows.append(Row(name, f"raised {type(e).__name__}: {str(e)[:200]}".replace("|", "/"), "no error", "FAIL"))
         print(f"[{name}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
+        for row in rows[done:]:  # as they come: a run cut short by its time limit still shows them
+            print(f"[row] {row.check} | {row.measured} | {row.threshold} | {row.result}", file=sys.stderr,
+                  flush=True)
     return rows
 
 

@@ -69,7 +69,7 @@ def compile_seconds() -> float:
 
 def _policy_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     mode = "selective" if getattr(block.attn, "recompute", False) else "none"
-    return run_with_policy(type(block).forward.__get__(block), x, mode)
+    return run_with_policy(lambda y: type(block).forward(block, y), x, mode)
 
 
 def _fresh_forward(backend: str | Callable = "inductor") -> Callable:
