@@ -239,3 +239,61 @@ def test_trainer_compiles_blocks_in_plain_and_pipelined_steps_with_eager_losses(
         line = next(x for x in text.splitlines() if x.startswith("compile:"))
         assert "compiled one by one" in line and "s compiling" in line, line
     assert "2 transformer blocks" in by[(2, 1, True)][1] and "1 transformer block compiled" in by[(1, 2, True)][1]
+
+
+# ------------------------------------------------------------------------------ traced collectives
+def _tensor_returning_collectives(rank, world):
+    """Collectives that return a tensor instead of a work handle (what an in-place collective
+    becomes when torch 2.11's dynamo traces it): the layers must never call ``wait()`` on one."""
+    import torch.distributed as dist
+
+    import seqpar.distributed.collectives as C
+    mesh = mesh_for(tp_group_of(2))
+    out = {}
+    for sp in (True, False):
+        cfg = _config(GPT2, "selective", 0.0, sp=sp)
+        tokens, labels = _batch(cfg)
+        out[sp] = [loss_and_dense_grads(GPT(cfg, mesh, seed=1), tokens, labels)]
+    real = (C._all_gather_single, C._reduce_scatter_single, dist.all_reduce, dist.all_to_all_single)
+
+    def returning_tensor(fn):
+        def call(*args, **kwargs):
+            fn(*args, **{**kwargs, "async_op": False})
+            return args[0]  # the output tensor, as a functional collective returns
+        return call
+    C._all_gather_single, C._reduce_scatter_single, dist.all_reduce, dist.all_to_all_single = map(returning_tensor, real)
+    try:
+        for sp in (True, False):
+            cfg = _config(GPT2, "selective", 0.0, sp=sp)
+            tokens, labels = _batch(cfg)
+            out[sp].append(loss_and_dense_grads(GPT(cfg, mesh, seed=1), tokens, labels))
+    finally:
+        C._all_gather_single, C._reduce_scatter_single, dist.all_reduce, dist.all_to_all_single = real
+    return {sp: (abs(float(a[0] - b[0])), _max_rel(b[1], a[1])) for sp, (a, b) in out.items()}
+
+
+def test_layers_take_collectives_that_return_tensors_instead_of_handles(tmp_path):
+    for result in run_ranks(_tensor_returning_collectives, 2, tmp_path):
+        for sp, (dloss, dgrad) in result.items():
+            assert dloss == 0.0 and dgrad == 0.0, (sp, dloss, dgrad)
+
+
+def test_auto_compiles_on_cuda_only_where_supported_and_true_names_the_reason():
+    """The H200 run: with auto on CUDA, a cp=2 run failed on the refusal meant for train.compile=true."""
+    from seqpar.parallel.compile import compile_enabled, unsupported
+    plain, sdpa = _config(GPT2, "none", 0.1), _config(GPT2, "none", 0.1, attention="sdpa")
+    assert compile_enabled("auto", torch.device("cuda"), plain) is True
+    assert compile_enabled("auto", torch.device("cpu"), plain) is False
+    assert compile_enabled("auto", torch.device("cuda"), plain, cp=2) is False
+    assert compile_enabled("auto", torch.device("cuda"), sdpa) is False
+    assert compile_enabled(True, torch.device("cpu"), plain) is True
+    assert "parallel.cp" in unsupported(plain, cp=2) and "attention_dropout" in unsupported(sdpa)
+
+
+def test_config_refuses_compile_true_where_it_cannot_compile():
+    from seqpar.config import ConfigError, load_run_config
+    for overrides, key in ((["parallel.cp=2", "parallel.tp=1"], "parallel.cp"),
+                           (["model.attention=sdpa", "model.attention_dropout=0.1"], "attention_dropout")):
+        with pytest.raises((ConfigError, ValueError), match=key):
+            load_run_config("tiny-cpu", ["train.compile=true", *overrides])
+        load_run_config("tiny-cpu", ["train.compile=auto", *overrides])  # auto: eager there

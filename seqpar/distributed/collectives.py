@@ -115,7 +115,14 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = 
     if group_size(group) == 1:
         return None
     _record("all_reduce", x)
-    return dist.all_reduce(x, op=op, group=group, async_op=async_op)
+    return _handle(dist.all_reduce(x, op=op, group=group, async_op=async_op), async_op)
+
+
+def _handle(work, async_op: bool):
+    """The work handle of an ``async_op`` call, else None. Traced by torch.compile, an in-place
+    collective becomes a functional one whose return value (a tensor, in some PyTorch releases)
+    is no handle: nothing may call ``wait()`` on it (seen on torch 2.11 under Inductor)."""
+    return work if async_op and not isinstance(work, torch.Tensor) else None
 
 
 def all_reduce_future(x: torch.Tensor, group: ProcessGroup | None) -> torch.futures.Future:
@@ -162,7 +169,7 @@ def all_gather_dim0(x: torch.Tensor, group: ProcessGroup | None, *, out: torch.T
         out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _record("all_gather", out)
     handle = _all_gather_single(out, x, group=group, async_op=async_op)
-    return out, handle
+    return out, _handle(handle, async_op)
 
 
 class _SumChunksOnWait:
@@ -202,13 +209,13 @@ def reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup | None, *, async_op
     if _uses_gloo(group):
         received = torch.empty_like(x)
         work = dist.all_to_all_single(received, x, group=group, async_op=async_op)
-        handle = _SumChunksOnWait(work if async_op else None, received, out, t)
+        handle = _SumChunksOnWait(_handle(work, async_op), received, out, t)
         if async_op:
             return out, handle
         handle.wait()
         return out, None
     handle = _reduce_scatter_single(out, x, group=group, async_op=async_op)
-    return out, handle
+    return out, _handle(handle, async_op)
 
 
 def all_gather_dim(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:

@@ -52,11 +52,28 @@ def merge_reports(reports: list[CompileReport]) -> CompileReport:
     return CompileReport(sum(r.blocks for r in reports), "/".join(modes))
 
 
-def compile_enabled(setting: bool | str, device: torch.device) -> bool:
-    """``train.compile``: true, false, or auto (on for CUDA, off for the CPU)."""
+def compile_enabled(setting: bool | str, device: torch.device, config=None, cp: int = 1) -> bool:
+    """``train.compile``: true, false, or auto: on for CUDA, off for the CPU, and off where compiled
+    blocks are not supported yet (:func:`unsupported`; ``true`` there is an error naming it)."""
     if setting == "auto":
-        return torch.device(device).type == "cuda"
+        return torch.device(device).type == "cuda" and unsupported(config, cp) is None
     return bool(setting)
+
+
+def unsupported(config, cp: int = 1) -> str | None:
+    """Why blocks of ``config`` at context-parallel size ``cp`` cannot be compiled, or None."""
+    missing = [k for k in _DYNAMO_OPTIONS if not hasattr(torch._dynamo.config, k)]
+    if missing:
+        return (f"train.compile needs a PyTorch whose torch._dynamo.config has {missing} (this is "
+                f"{torch.__version__}); upgrade PyTorch or set train.compile=false")
+    if cp > 1:
+        return (f"train.compile supports parallel.cp = 1 only (got cp={cp}): context-parallel attention "
+                f"exchanges K/V with point-to-point calls the compiler does not trace yet")
+    if config is not None and config.attention == "sdpa" and config.attention_dropout > 0:
+        return (f"train.compile with model.attention=sdpa needs model.attention_dropout=0 (got "
+                f"{config.attention_dropout}): the fused kernel draws its mask from the default generator, "
+                f"which a compiled block cannot swap; use model.attention=math for attention dropout")
+    return None
 
 
 def compile_seconds() -> float:
@@ -143,16 +160,6 @@ def uncompile_blocks(model: nn.Module) -> None:
 
 def check_compilable(model: nn.Module) -> None:
     """Refuse what compiled blocks do not support yet, naming the setting."""
-    missing = [k for k in _DYNAMO_OPTIONS if not hasattr(torch._dynamo.config, k)]
-    if missing:
-        raise ValueError(f"train.compile needs a PyTorch whose torch._dynamo.config has {missing} (this is "
-                         f"{torch.__version__}); upgrade PyTorch or set train.compile=false")
-    cfg = getattr(model, "config", None)
-    cp = getattr(getattr(model, "cp", None), "size", 1)
-    if cp > 1:
-        raise ValueError(f"train.compile supports parallel.cp = 1 only (got cp={cp}): context-parallel "
-                         f"attention exchanges K/V with point-to-point calls the compiler does not trace yet")
-    if cfg is not None and cfg.attention == "sdpa" and cfg.attention_dropout > 0:
-        raise ValueError(f"train.compile with model.attention=sdpa needs model.attention_dropout=0 (got "
-                         f"{cfg.attention_dropout}): the fused kernel draws its mask from the default generator, "
-                         f"which a compiled block cannot swap; use model.attention=math for attention dropout")
+    why = unsupported(getattr(model, "config", None), getattr(getattr(model, "cp", None), "size", 1))
+    if why is not None:
+        raise ValueError(why)

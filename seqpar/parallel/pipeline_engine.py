@@ -40,7 +40,7 @@ class PipelineEngine(StepEngine):
                                    time_cuda=False)  # synchronized only on timed steps
         self.module = self.pipe.module  # an nn.ModuleList of this rank's stages
         apply_tp_overlap(self.module, pc.tp_overlap)
-        if compile_enabled(cfg.train.compile, mesh.device):
+        if compile_enabled(cfg.train.compile, mesh.device, mc, mesh.cp_size):
             reports = [compile_blocks(part, list(part.blocks.values())) for part in self.pipe.parts]
             self.compiled = merge_reports(reports)
         self.parts, self.full_model = list(self.pipe.parts), None

@@ -30,7 +30,7 @@ class PlainEngine(StepEngine):
         self.cfg, self.mesh, self.accum, self.precision = cfg, mesh, accum, precision
         self.model = GPT(cfg.model, mesh, seed=cfg.train.seed, cp_comm=cfg.parallel.cp_comm)
         apply_tp_overlap(self.model, cfg.parallel.tp_overlap)  # TP/SP -> overlap -> compile -> data parallel
-        if compile_enabled(cfg.train.compile, mesh.device):  # after TP/SP and recompute, before FSDP2
+        if compile_enabled(cfg.train.compile, mesh.device, cfg.model, mesh.cp_size):  # after TP/SP and recompute, before FSDP2
             self.compiled = compile_blocks(self.model)
         mode = cfg.parallel.data_parallel_mode(mesh.dp_size)
         self.data_parallel = DataParallel(self.model, mesh, mode, precision=precision.name,
