@@ -78,6 +78,16 @@ def checkpoint(run_fn: Callable, *args, streams: RNGStreams | None = None):
     return _Checkpoint.apply(run_fn, streams, *args)
 
 
+def run_plan(runs: Sequence[tuple[int, int, bool]], run_blocks: Callable, x: torch.Tensor,
+             streams: RNGStreams | None = None) -> torch.Tensor:
+    """Run the layer runs ``(start, end, checkpointed)`` of a recompute plan (:func:`full_recompute_plan`,
+    :func:`layer_recompute_plan`) through ``run_blocks(x, start, end)``; a checkpointed run keeps only
+    its input and replays ``streams`` when recomputed."""
+    for begin, end, ckpt in runs:
+        x = checkpoint(run_blocks, x, begin, end, streams=streams) if ckpt else run_blocks(x, begin, end)
+    return x
+
+
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                  is_causal: bool = False, enable_gqa: bool = False) -> SDPBackend:
     """The kernel ``scaled_dot_product_attention`` runs for these inputs when grad is on (as in a
