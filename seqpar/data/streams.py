@@ -10,7 +10,8 @@ from tokenizers import Tokenizer
 from ..config import RunConfig
 from .batches import Batch, TokenBatches, eval_batches
 from .blend import BlendBatches, Joined
-from .corpus import Corpus, prepare_corpus, source_kind
+from .corpus import Corpus, prepare_corpus
+from .kinds import source_kind
 from .errors import DataError, TokenizerError
 from .tokenizer import ORIGIN_FILE, check_fits, checkpoint_tokenizer, find_eot, load_tokenizer, tokenizer_digest
 
