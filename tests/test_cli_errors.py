@@ -101,10 +101,13 @@ def test_generate_export_import_memory_plan(tmp_path):
     _assert_one_line(p, "--force")
     p = _run(seqpar + ["import", str(folder), str(tmp_path / "imp")], tmp_path)
     _assert_one_line(p, "config.json")
-    p = _run(seqpar + ["memory", "model.heads=3", "model.hidden=33"], tmp_path)
-    _assert_one_line(p, "heads")
-    p = _run(seqpar + ["plan", "model.stepz=1"], tmp_path)
-    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    # a layout the model cannot split: refused naming t and each indivisible size, no figures printed
+    p = _run(seqpar + ["memory", "tiny-cpu", "--tp", "3"], tmp_path)
+    _assert_one_line(p, "tiny-cpu.yaml", "tensor-parallel size t=3", "heads (4)", "hidden (128)")
+    assert "per layer" not in p.stdout, p.stdout
+    p = _run(seqpar + ["plan", "tiny-cpu", "--gpus", "3", "--gpus-per-node", "3", "--gpu", "a100-80gb",
+                       "--global-batch", "3", "--layout", "tp=3"], tmp_path)
+    _assert_one_line(p, "layout t=3", "tensor-parallel size t=3", "heads (4)")
 
 
 class _Evil:
