@@ -361,3 +361,13 @@ def test_the_training_key_table_lists_every_config_key():
     listed = documented_keys((ROOT / "docs" / "training.md").read_text())
     assert not schema - listed, f"keys missing from docs/training.md's table: {sorted(schema - listed)}"
     assert not listed - schema, f"docs/training.md's table names keys that do not exist: {sorted(listed - schema)}"
+
+
+def test_train_help_has_examples_that_run_as_written():
+    text = seqpar_help("train")
+    examples = [ln.strip() for ln in text.split("examples:", 1)[-1].splitlines() if ln.startswith("  ")]
+    assert any("parallel.cp=2" in e for e in examples) and any("data.tokenizer=" in e for e in examples), text
+    assert "docs/training.md" in text and (ROOT / "docs" / "training.md").is_file()
+    assert command_problems("```bash\n" + "\n".join(examples) + "\n```\n", {"train": text}) == []
+    option = seqpar_help("generate").rsplit("--tokens TOKENS", 1)[1]  # the option's help, not the usage line
+    assert ">= 1" in option.split("--", 1)[0]
