@@ -130,9 +130,9 @@ def plot(shapes: Sequence[ModelShape], path: str | Path) -> None:
     fig.savefig(path, dpi=150)
 
 
-def _check_layouts(entries: Sequence[Entry]) -> None:
-    """Each model's dimensions against its t (``--tp`` or ``parallel.tp``) and its layers against
-    pp x virtual_stages: the figures of a layout that cannot run are refused, naming the values."""
+def _check_layouts(entries: list[Entry]) -> list[Entry]:
+    """``entries``, each model's dimensions checked against its t (``--tp`` or ``parallel.tp``) and
+    its layers against pp x virtual_stages: a layout that cannot run is refused, naming the values."""
     for e in entries:
         try:
             e.model.check_parallel(e.shape.t)
@@ -141,6 +141,7 @@ def _check_layouts(entries: Sequence[Entry]) -> None:
         if e.shape.p > 1 and e.model.layers % (e.shape.p * e.shape.m):
             raise ValueError(f"{e.path}: model.layers={e.model.layers} is not divisible into pp x virtual_stages = "
                              f"{e.shape.p} x {e.shape.m} pipeline stages")
+    return entries
 
 
 def _check_measurable(entries: Sequence[Entry]) -> None:
@@ -225,8 +226,7 @@ def main(argv: list[str]) -> int:
     if args.paper or not paths:
         paths = [paper_config_dir() / f"{n}.yaml" for n in PAPER_MODELS] + paths
     try:
-        entries = [load_entry(p, args.micro_batch, args.tp) for p in paths]
-        _check_layouts(entries)
+        entries = _check_layouts([load_entry(p, args.micro_batch, args.tp) for p in paths])
     except (OSError, ValueError) as e:  # ConfigError is a ValueError; messages name the path
         err(str(e))
         return 2
