@@ -156,23 +156,69 @@ def attention_core_ops() -> frozenset:
     return frozenset(ops)
 
 
-def block_policy(mode: RecomputeMode) -> Callable:
+def sequence_gather_ops() -> frozenset:
+    """The traced form of the SP all-gather (g) and of waiting on it. A column-parallel layer keeps
+    only its sequence shard and gathers again in backward (§4.2.2); saving the gathered tensor
+    instead would keep ``t`` times the bytes, so a compiled block recomputes the gather."""
+    ops = set()
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    for name in ("all_gather_into_tensor", "wait_tensor"):
+        packet = getattr(functional, name, None) if functional is not None else None
+        if packet is not None:
+            ops.add(packet.default)
+    return frozenset(ops)
+
+
+def dtype_cast_ops() -> frozenset:
+    """Casts between dtypes. Inductor's decompositions (LayerNorm, GeLU in bf16) upcast their input
+    to fp32 and would keep the fp32 copy, twice the bytes of the bf16 tensor the eager op keeps:
+    a compiled block recomputes casts where that keeps less."""
+    return frozenset({torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default})
+
+
+def block_policy(mode: RecomputeMode, low_precision: bool = False) -> Callable:
     """The selective-checkpoint policy of a compiled block at recompute ``mode`` ("none" or
-    "selective"; a full layer is checkpointed around its compiled block by :func:`checkpoint`)."""
+    "selective"; a full layer is checkpointed around its compiled block by :func:`checkpoint`).
+
+    Everything outside the attention core is saved as the eager step saves it (``MUST_SAVE``),
+    except with ``low_precision`` (bf16 / fp16 activations): Inductor decomposes LayerNorm and GeLU
+    into fp32 math after the policy has tagged them, and a forced save keeps the fp32 upcast (twice
+    the bytes); there those ops are only preferred saved, so the partitioner keeps the bf16 tensor
+    and recomputes the cast (and may recompute other cheap pointwise ops: docs/training.md)."""
     if mode not in ("none", "selective"):
         raise ValueError(f"a compiled block's own policy is 'none' or 'selective', got {mode!r}")
     core = attention_core_ops() if mode == "selective" else frozenset()
+    cheap = sequence_gather_ops() | dtype_cast_ops()
 
     def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_RECOMPUTE if op in core else CheckpointPolicy.MUST_SAVE
+        if op in core:
+            return CheckpointPolicy.MUST_RECOMPUTE
+        if op in cheap:  # the SP gather again in backward, as the eager layers do; casts
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return keep
+    keep = CheckpointPolicy.PREFER_SAVE if low_precision else CheckpointPolicy.MUST_SAVE
     return policy
 
 
-_POLICIES: dict[str, Callable] = {mode: block_policy(mode) for mode in ("none", "selective")}  # built untraced
+_POLICIES: dict[tuple[str, bool], Callable] = {(mode, low): block_policy(mode, low) for mode in ("none", "selective")
+                                               for low in (False, True)}  # built untraced
+
+
+def _recompute_everything(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def recompute_region(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+    """``fn(*args)`` keeping only ``args``, every op recomputed in backward: the compiled form of
+    :func:`checkpoint` (a selective-checkpoint policy the compiler honours). Random ops inside draw
+    from the default generator; seqpar's own dropout replays its saved stream state."""
+    context = partial(create_selective_checkpoint_contexts, _recompute_everything)
+    return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=context)
 
 
 def run_with_policy(fn: Callable, x: torch.Tensor, mode: RecomputeMode) -> torch.Tensor:
     """``fn(x)`` under ``mode``'s selective-checkpoint policy (traced by torch.compile as one
     region; the stream states a dropout advances are advanced once, in forward)."""
-    context = partial(create_selective_checkpoint_contexts, _POLICIES[mode])
+    low = x.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(x.device.type)
+    context = partial(create_selective_checkpoint_contexts, _POLICIES[(mode, low)])
     return torch_checkpoint(fn, x, use_reentrant=False, context_fn=context)

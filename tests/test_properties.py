@@ -102,6 +102,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "train.log_interval": st.integers(1, 10**4), "train.eval_interval": st.integers(0, 10**4),
     "train.eval_batches": st.integers(1, 1000), "train.threads_per_rank": st.integers(1, 256),
     "train.memory_budget_gib": st.none() | _floats(0.0, 1e6, exclude_min=True),
+    "train.compile": st.sampled_from([True, False, "auto"]),
     "checkpoint.dir": TEXT, "checkpoint.interval": st.integers(0, 10**6), "checkpoint.keep": st.integers(1, 1000),
     "out_dir": TEXT,
 }
@@ -164,6 +165,7 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy] = {
     "train.beta1": NEG | st.floats(min_value=1.0) | NONFINITE, "train.beta2": NEG | st.floats(min_value=1.0) | NONFINITE,
     "train.weight_decay": NEG | NONFINITE, "train.grad_clip": NEG | NONFINITE,
     "train.memory_budget_gib": st.floats(max_value=0.0) | NONFINITE,
+    "train.compile": st.sampled_from(["yes", "on", 1]),
     "model.recompute_layers": st.lists(st.sampled_from(["none", "selective", "full"]), max_size=11),  # layers = 12
     "checkpoint.interval": BELOW[0], "checkpoint.keep": BELOW[1],
 }

@@ -72,6 +72,10 @@ class ParallelConfig(Freezable):
     # ("allgather") or by a ring of point-to-point steps overlapped with the blocks ("ring")
     cp: int = 1
     cp_comm: CPComm = "allgather"
+    # sequence parallelism's all-gather before each column-parallel GEMM and reduce-scatter after
+    # each row-parallel GEMM cut into per-rank chunks, each transfer under another chunk's GEMM
+    # (forward and backward; PyTorch's async-TP kernels on CUDA + NCCL); same results and bytes
+    tp_overlap: bool = False
 
     def validate(self) -> None:
         check_choice("parallel.cp_comm", self.cp_comm, CP_COMMS)
@@ -152,6 +156,9 @@ class TrainConfig(Freezable):
     # a step whose gradients hold NaN/inf: "stop" the run naming the step, or "skip" the optimizer
     # step (weights untouched) and count it
     nonfinite_grads: Literal["stop", "skip"] = "stop"
+    # compile each transformer block (torch.compile, fullgraph): true | false | auto (on for CUDA,
+    # off for the CPU, where compiled blocks measured no faster: docs/benchmarks.md)
+    compile: bool | Literal["auto"] = "auto"
     # GiB per GPU that model.recompute: auto must fit (state, activations and the planner's
     # workspace allowance, seqpar.plan.memory); None = no budget
     memory_budget_gib: float | None = None
@@ -170,6 +177,7 @@ class TrainConfig(Freezable):
             check_number(f"train.{name}", getattr(self, name), rule)
         check_choice("train.precision", self.precision, PRECISION_SETTINGS)
         check_choice("train.nonfinite_grads", self.nonfinite_grads, ("stop", "skip"))
+        check_choice("train.compile", self.compile, (True, False, "auto"))
         if self.memory_budget_gib is not None:
             check_number("train.memory_budget_gib", self.memory_budget_gib, "> 0")
 
@@ -216,6 +224,9 @@ class RunConfig(Freezable):
         self._validate_pipeline()
         self.model.check_parallel(self.parallel.tp)
         self._validate_context()
+        if self.parallel.tp_overlap and not self.model.sequence_parallel:
+            raise ValueError("parallel.tp_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter "
+                             "with the GEMMs; it needs model.sequence_parallel=true")
 
     def _validate_context(self) -> None:
         """Context parallelism: the sequence into 2*cp chunks (over t under SP); what cp does not

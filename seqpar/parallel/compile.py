@@ -11,7 +11,8 @@ compiled blocks, as in eager mode.
 
 The block's parameters keep their names (the compiled function is set as the block instance's
 ``forward``; nothing is wrapped), so state dicts, checkpoints and FSDP2 are unchanged. All blocks
-share one compiled graph per distinct shape and mode.
+share one compiled graph per distinct shape and mode. Only training-mode forwards are compiled:
+evaluation and generation (whose sequence grows token by token) run the eager block.
 """
 from __future__ import annotations
 
@@ -40,8 +41,22 @@ class CompileReport:
 
     def line(self) -> str:
         took = "" if self.seconds is None else f", {self.seconds:.1f} s compiling in the first step"
-        return (f"compile: {self.blocks} transformer blocks compiled one by one (fullgraph, {self.mode} "
+        blocks = f"{self.blocks} transformer block" + ("s" if self.blocks != 1 else "")
+        return (f"compile: {blocks} compiled one by one (fullgraph, {self.mode} "
                 f"recompute policy){took}")
+
+
+def merge_reports(reports: list[CompileReport]) -> CompileReport:
+    """One report for several model parts (a rank's pipeline stages)."""
+    modes = sorted({m for r in reports for m in r.mode.split("/")})
+    return CompileReport(sum(r.blocks for r in reports), "/".join(modes))
+
+
+def compile_enabled(setting: bool | str, device: torch.device) -> bool:
+    """``train.compile``: true, false, or auto (on for CUDA, off for the CPU)."""
+    if setting == "auto":
+        return torch.device(device).type == "cuda"
+    return bool(setting)
 
 
 def compile_seconds() -> float:
@@ -57,28 +72,31 @@ def _policy_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return run_with_policy(type(block).forward.__get__(block), x, mode)
 
 
-def _fresh_forward() -> Callable:
+def _fresh_forward(backend: str | Callable = "inductor") -> Callable:
     """A compiled :func:`_policy_forward` with a code object of its own. Dynamo keeps its graphs
     (and its recompile limit) per code object: every block of one model shares this function's
     graphs (the block is an argument, one graph per distinct shape and mode), and another model
     in the same process does not eat into them."""
     fn = types.FunctionType(_policy_forward.__code__.replace(), _policy_forward.__globals__, "_policy_forward")
-    return torch.compile(fn, fullgraph=True)
+    return torch.compile(fn, fullgraph=True, backend=backend)
 
 
 def _compiled(block: nn.Module, compiled: Callable) -> Callable:
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if not block.training:  # evaluation and generation (growing lengths) run the eager block
+            return type(block).forward(block, x)
         with torch._dynamo.config.patch(**_DYNAMO_OPTIONS):
             return compiled(block, x)
     forward.__wrapped__ = True  # marks a compiled forward, for uncompile_blocks
     return forward
 
 
-def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module] | None = None) -> CompileReport:
+def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module] | None = None, *,
+                   backend: str | Callable = "inductor") -> CompileReport:
     """Compile each transformer block of ``model`` (a seqpar GPT, or the blocks given) in place.
 
     A block is compiled once: calling this again is a no-op for it. The model's dropout streams
-    are seeded first (creating generators cannot be traced)."""
+    are seeded first (creating generators cannot be traced). ``backend``: torch.compile's."""
     from ..model.gpt import Block  # parallel applies to the model from outside
     check_compilable(model)
     rng = getattr(model, "rng", None)
@@ -86,7 +104,7 @@ def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module] | None = None) 
         rng.materialize()
     chosen = [b for b in (model.blocks if blocks is None else blocks) if isinstance(b, Block)]
     tables: dict[tuple, torch.Tensor] = {}  # one causal-bias table per shape, shared by the layers
-    compiled = _fresh_forward()
+    compiled = _fresh_forward(backend)
     for block in chosen:
         if "forward" not in block.__dict__:
             _prepare_tables(block, getattr(model, "config", None), tables)
@@ -101,8 +119,11 @@ def _prepare_tables(block: nn.Module, config, tables: dict) -> None:
     core, weight = block.attn.core, block.attn.qkv.weight
     if config is None:
         return
-    if block.attn.rope is not None:
-        block.attn.rope.tables.get(config.seq_len, weight.dtype, weight.device)
+    rope = block.attn.rope
+    if rope is not None:  # held as buffers too: a compiled graph keeps them, and they are no activation
+        cos, sin = rope.tables.get(config.seq_len, weight.dtype, weight.device)
+        rope.register_buffer("cos_table", cos, persistent=False)
+        rope.register_buffer("sin_table", sin, persistent=False)
     if core.kind != "math":
         return
     from ..model.attention import causal_bias
@@ -122,6 +143,10 @@ def uncompile_blocks(model: nn.Module) -> None:
 
 def check_compilable(model: nn.Module) -> None:
     """Refuse what compiled blocks do not support yet, naming the setting."""
+    missing = [k for k in _DYNAMO_OPTIONS if not hasattr(torch._dynamo.config, k)]
+    if missing:
+        raise ValueError(f"train.compile needs a PyTorch whose torch._dynamo.config has {missing} (this is "
+                         f"{torch.__version__}); upgrade PyTorch or set train.compile=false")
     cfg = getattr(model, "config", None)
     cp = getattr(getattr(model, "cp", None), "size", 1)
     if cp > 1:
