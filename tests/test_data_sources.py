@@ -211,6 +211,12 @@ def test_datasets_folders_skip_their_documentation_and_refuse_other_text(tmp_pat
     text, tok = _decoded(tmp_path / "jsonl", tmp_path, log=logs.append)
     assert text == want and "dataset card" not in text
     assert logs[0] == f"data: {str(tmp_path / 'jsonl')!r}: skipping LICENSE.txt, README.md beside the data files"
+    run = tmp_path / "jsonl" / "runs"  # a run's own output inside its source: never part of it
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"text": "a loss line"}\n')
+    (run / "config.yaml").write_text("model: {}\n")
+    assert source_kind(tmp_path / "jsonl", exclude=[run]) == "records"
+    assert _decoded(tmp_path / "jsonl", tmp_path, tok, log=print, exclude=[run])[0] == want
     # a Dataset.save_to_disk folder (state.json, dataset_info.json, *.arrow): its records, in order
     saved = tmp_path / "saved"
     datasets.Dataset.from_list(rows).save_to_disk(str(saved), num_shards=2)
@@ -220,7 +226,7 @@ def test_datasets_folders_skip_their_documentation_and_refuse_other_text(tmp_pat
     (tmp_path / "jsonl" / "notes.txt").write_text("is this data?")
     with pytest.raises(DataError, match=r"jsonl' mixes datasets files \(1: part.jsonl\) with text files \(1: "
                                         r"notes.txt\); a folder holds one kind of data"):
-        prepare_corpus(tmp_path / "jsonl", vocab_size=400, cache_dir=tmp_path / "cache", log=print)
+        prepare_corpus(tmp_path / "jsonl", vocab_size=400, cache_dir=tmp_path / "cache", log=print, exclude=[run])
     both = tmp_path / "dict"
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows)}
                          ).save_to_disk(str(both))

@@ -52,7 +52,7 @@ from .cache import EOT, Log, cache_problem, locked
 from .shards import encode_shards, finish_cache, start_cache
 from .text import Document, TextInput, file_input
 from .errors import DataError
-from .kinds import TEXT_SUFFIXES, classify, source_kind, walk_text
+from .kinds import TEXT_SUFFIXES, classify, resolved, source_kind, walk_text
 from .records import record_files, record_input
 from .tokenizer import tokenizer_digest
 from .tokens import indexed_prefix, joined, map_ids, open_indexed, open_shards
@@ -78,7 +78,7 @@ def list_documents(source: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES
     folders in ``exclude`` (and everything under them) are skipped."""
     if max_bytes <= 0:
         raise DataError(f"max_bytes must be positive, got {max_bytes}")
-    excluded = frozenset(Path(p).expanduser().resolve() for p in exclude)
+    excluded = resolved(exclude)
     if source is None:
         root = Path(sysconfig.get_paths()["stdlib"])
         paths = [p for p in walk_text(root, _SKIP_DIRS, excluded) if p.suffix == ".py"]
@@ -128,12 +128,13 @@ class TextPlan:
 def _text_plan(source, vocab_size: int, base: Path, max_bytes: int, exclude, tokenizer: Tokenizer | None,
                eot_id: int | None, text_field: str) -> TextPlan:
     given = f"{tokenizer_digest(tokenizer)}:{eot_id}" if tokenizer is not None else None
-    if source_kind(source) == "records":  # a verified cache needs no datasets package
-        files = record_files(Path(source).expanduser())
+    skip = (*exclude, base)
+    if source_kind(source, skip) == "records":  # a verified cache needs no datasets package
+        files = record_files(Path(source).expanduser(), resolved(skip))
         docs = [Document(p.resolve(), p.stat().st_size, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
         fp = fingerprint(docs, vocab_size, 0, f"{given}:{text_field}")
         return TextPlan(base / f"corpus-{fp[:16]}", fp, lambda: record_input(files, text_field, base / "datasets"))
-    docs = list_documents(source, max_bytes, exclude=(*exclude, base))
+    docs = list_documents(source, max_bytes, exclude=skip)
     fp = fingerprint(docs, vocab_size, max_bytes, given)
     capped = source is not None and sum(d.nbytes for d in docs) >= max_bytes
     return TextPlan(base / f"corpus-{fp[:16]}", fp, lambda: file_input(docs), capped)
@@ -153,13 +154,13 @@ def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_d
     that still match their records. Token sources are only checked and opened. ``exclude``:
     folders inside ``source`` that are not corpus.
     """
-    kind, side = classify(source)
+    base = _cache_base(cache_dir)
+    kind, side = classify(source, (*exclude, base))
     if side:
         log(f"data: {str(source)!r}: skipping {', '.join(p.name for p in side)} beside the data files")
     if kind not in ("text", "records"):
-        return open_corpus(source, vocab_size=vocab_size, tokenizer=tokenizer, eot_id=eot_id)
+        return _open_tokens(Path(source), kind, vocab_size, tokenizer, eot_id)
     _check_vocab(vocab_size)
-    base = _cache_base(cache_dir)
     plan = _text_plan(source, vocab_size, base, max_bytes, exclude, tokenizer, eot_id, text_field)
     if plan.capped:
         log(f"data: reading only the first {max_bytes:,} bytes of {str(source)!r} (data.max_bytes); "
@@ -195,7 +196,7 @@ def open_corpus(source: str | Path | None = None, *, vocab_size: int, cache_dir:
                 max_bytes: int = DEFAULT_MAX_BYTES, exclude: Iterable[str | Path] = (),
                 tokenizer: Tokenizer | None = None, eot_id: int | None = None, text_field: str = "text") -> Corpus:
     """Open an already prepared corpus read-only (no training, no writes, no lock), verified first."""
-    kind = source_kind(source)
+    kind = source_kind(source, (*exclude, _cache_base(cache_dir)))
     if kind in ("tokens", "shards", "indexed"):  # any vocabulary larger than the ids they hold
         return _open_tokens(Path(source), kind, vocab_size, tokenizer, eot_id)
     _check_vocab(vocab_size)

@@ -27,14 +27,16 @@ def saved_dataset(folder: Path) -> bool:
             and any(p.suffix.lower() == ".arrow" for p in folder.iterdir() if p.is_file()))
 
 
-def record_files(source: Path) -> list[Path]:
-    """The dataset files of ``source`` (a file or a folder holding only one kind of them); [] if none."""
+def record_files(source: Path, excluded: frozenset[Path] = frozenset()) -> list[Path]:
+    """The dataset files of ``source`` (a file or a folder holding only one kind of them), none
+    under a hidden folder or a resolved folder of ``excluded``; [] if none."""
     if source.is_file():
         return [source] if source.suffix.lower() in RECORD_SUFFIXES else []
     if not source.is_dir():
         return []
     return sorted(p for p in source.rglob("*") if p.is_file() and p.suffix.lower() in RECORD_SUFFIXES
-                  and not any(part.startswith(".") for part in p.relative_to(source).parts))
+                  and not any(part.startswith(".") for part in p.relative_to(source).parts)
+                  and not (excluded and excluded.intersection(p.resolve().parents)))
 
 
 def _load(files: list[Path], cache_dir: Path):
