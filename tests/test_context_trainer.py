@@ -19,20 +19,24 @@ from seqpar.distributed.mesh import ParallelMesh, init_parallel
 from seqpar.train import Trainer
 from seqpar.train.resolve import resolve_run
 
+from run_helpers import TINY_MODEL, run_overrides
 
-def _overrides(tmp, out: str, **extra) -> list[str]:
-    cfg = {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 2, "model.layers": 2,
-           "model.dropout": 0.0, "model.attention_dropout": 0.0, "model.recompute": "selective",
-           "train.steps": 4, "train.micro_batch": 2, "train.global_batch": 4, "train.lr": 3e-3,
-           "train.warmup_steps": 1, "train.eval_interval": 0, "train.seed": 5, "train.log_interval": 1,
-           "data.source": str(tmp / "tokens.npy"), "checkpoint.dir": str(tmp / out / "ckpt"),
-           "checkpoint.resume": "never", "checkpoint.interval": 0, "out_dir": str(tmp / out)}
-    cfg.update(extra)
-    return [f"{k}={v}" for k, v in cfg.items()]
+
+# no dropout (cp refuses attention dropout) so every layout's losses equal one process's
+RUN = {**TINY_MODEL, "model.heads": 2, "model.layers": 2, "model.dropout": 0.0, "model.attention_dropout": 0.0,
+       "model.recompute": "selective", "train.steps": 4, "train.micro_batch": 2, "train.global_batch": 4,
+       "train.lr": 3e-3, "train.warmup_steps": 1, "train.eval_interval": 0, "train.seed": 5,
+       "train.log_interval": 1, "checkpoint.interval": 0}
+
+
+def _config(tmp, out: str, **extra):
+    """The run writing to ``tmp / out`` with its own checkpoint dir, on ``tmp / "tokens.npy"``."""
+    return load_run_config(None, run_overrides(tmp, RUN, tokens=tmp / "tokens.npy", out=out, ckpt=f"{out}/ckpt",
+                                               **extra))
 
 
 def _save_at_2(tmp, out: str, mesh, **extra) -> None:
-    trainer = Trainer(load_run_config(None, _overrides(tmp, out, **extra)), mesh=mesh)
+    trainer = Trainer(_config(tmp, out, **extra), mesh=mesh)
     try:
         trainer.train_step(0)
         trainer.train_step(1)
@@ -43,7 +47,7 @@ def _save_at_2(tmp, out: str, mesh, **extra) -> None:
 
 def _fit(tmp, out: str, mesh, **extra) -> dict:
     """This rank's losses, global grad norms and counted tokens/FLOPs of ``Trainer.fit``."""
-    trainer = Trainer(load_run_config(None, _overrides(tmp, out, **extra)), mesh=mesh)
+    trainer = Trainer(_config(tmp, out, **extra), mesh=mesh)
     counted = (trainer.throughput.tokens_per_step, trainer.throughput.flops_per_step)
     norms, step = [], trainer.train_step
 
@@ -85,8 +89,7 @@ def _layouts(rank, world, tmp):
 def _rng_after_resume_at_dp2(tmp) -> bool:
     """The cp=2 x tp=2 checkpoint resumed at dp=2 x tp=2 (the same world size): its per-rank RNG
     states belong to other ranks' roles, so the fresh streams must be kept."""
-    trainer = Trainer(load_run_config(None, _overrides(tmp, "cp-saved", **{"parallel.tp": 2,
-                                                                           "checkpoint.resume": "auto"})),
+    trainer = Trainer(_config(tmp, "cp-saved", **{"parallel.tp": 2, "checkpoint.resume": "auto"}),
                       mesh=init_parallel(tp=2))
     try:
         fresh = trainer.engine.streams[0].get_state()

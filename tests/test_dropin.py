@@ -175,7 +175,7 @@ def _graph_breaks(mesh):
     model = parallelize(gpt2(n_layer=1), plans.gpt2(), mesh)
     ids = batch()
     torch._dynamo.reset()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(plans.__file__)))
+    root = os.path.dirname(os.path.abspath(seqpar.__file__))  # the package's own frames
     out = []
     for selective in (False, True):  # checkpoint_attention's recomputation traces too
         if selective:
@@ -259,10 +259,19 @@ def test_no_graph_breaks_inside_seqpar_under_torch_compile(ranks):
 
 
 def test_import_seqpar_parallelize_gives_the_function():
-    code = ("import seqpar.parallelize, seqpar, inspect\n"
+    """Every import form works, and through real modules: nothing in sys.modules is an alias or a function."""
+    code = ("import seqpar.parallelize, seqpar, inspect, sys, types\n"
             "import seqpar.parallelize as p\n"
             "assert p is seqpar.parallelize and inspect.isfunction(p), p\n"
-            "assert 'plan' in inspect.signature(seqpar.parallelize).parameters\n")
+            "assert 'plan' in inspect.signature(seqpar.parallelize).parameters\n"
+            "from seqpar.parallelize import Plan, Style, parallelize\n"
+            "assert parallelize is p and Plan.__name__ == 'Plan' and Style.__name__ == 'Style'\n"
+            "import seqpar.plans\n"
+            "from seqpar.plans import gpt2, llama\n"
+            "assert seqpar.plans.gpt2 is gpt2 and isinstance(gpt2(), Plan)\n"
+            "bad = {k: v for k, v in sys.modules.items() if k.startswith('seqpar')\n"
+            "       and not (isinstance(v, types.ModuleType) and v.__name__ == k)}\n"
+            "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

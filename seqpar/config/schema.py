@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterable, Literal
 
 from ..distributed.context import CP_COMMS, CPComm, check_context_layout
-from ..model.config import GPTConfig
+from ..model.config import Freezable, GPTConfig
 from ..model.modes import DATA_PARALLEL_MODES, PRECISION_SETTINGS, DataParallelMode, PrecisionSetting
 from . import loader
 from .shipped import resolve_config
@@ -48,7 +48,7 @@ def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Freezable):
     tp: int = 1                  # tensor-parallel size t (one node's GPUs on a cluster)
     dp: int | None = None        # data-parallel size; None = world size / (pp x cp x tp)
     pp: int = 1                  # pipeline stages p (outermost: each stage is dp x tp consecutive ranks)
@@ -97,13 +97,13 @@ class ParallelConfig:
 
 
 @dataclass
-class BlendSource:
+class BlendSource(Freezable):
     source: str                  # any data.source form (text, datasets files, token files, Megatron)
     weight: float = 1.0          # share of the sequences drawn from it (normalised over the blend)
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Freezable):
     source: str | None = None    # text file or folder, datasets file(s) (.jsonl/.parquet/.arrow), token file
     #                              (.bin/.npy) or folder of shards, Megatron prefix (.bin+.idx); None = Python's stdlib
     sources: list[BlendSource] = field(default_factory=list)  # a blend [{source, weight}, ...] instead of source
@@ -134,7 +134,7 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Freezable):
     steps: int = 200
     micro_batch: int = 8         # sequences per rank per micro-step
     global_batch: int | None = None  # sequences per optimizer step; None = micro_batch * dp (no accumulation)
@@ -183,7 +183,7 @@ class TrainConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Freezable):
     dir: str = "runs/checkpoints"
     interval: int = 100          # save every N steps (and at the end); 0 = only at the end
     keep: int = 2                # newest checkpoints kept
@@ -205,7 +205,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Freezable):
     model: GPTConfig = field(default_factory=GPTConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)

@@ -13,9 +13,10 @@ Composed from :mod:`seqpar.memory`, which holds every byte formula:
   §4.2.3's L (1 + (p-1)/(pm))). §4.3's terms (:func:`seqpar.memory.whole_model.outside_terms`):
   the embedding-dropout mask for each in-flight micro-batch on the first stage; final LayerNorm
   input, output-layer input and fp32 logits on the last.
-* Backward transient: the gradients flowing back through one layer, at most that layer's stored
-  activations for one micro-batch, plus, while a checkpointed unit is recomputed, its activations
-  again (N layers under full recompute, the attention scores under selective).
+* Backward transient (:mod:`seqpar.memory.transient`): the gradients flowing back through one
+  layer, at most that layer's stored activations for one micro-batch, plus, while a checkpointed
+  unit is recomputed, its activations again (N layers under full recompute, the attention scores
+  under selective); under cp the attention kernel's fp32 working set of one ``[c, c]`` block.
 * Allowance: :data:`WORKSPACE_BYTES` for the CUDA context, cuBLAS workspaces and NCCL buffers, plus
   :data:`FRAGMENTATION` of everything else for the caching allocator's fragmentation.
 """
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from ..memory.params import layer_params, root_params, stage_params
 from ..memory.schedule import in_flight_per_layer
 from ..memory.state import state_bytes_per_parameter, training_state_bytes
+from ..memory.transient import backward_transient_bytes, context_block_bytes
 from ..memory.whole_model import layer_bytes, outside_terms
 from ..model.config import GPTConfig
 from ..model.modes import RECOMPUTE_MODES, RecomputeMode
@@ -112,20 +114,10 @@ class Memory:
 
 
 def context_transient(model: GPTConfig, layout: Layout) -> float:
-    """Backward transient of the context-parallel kernel: one ``[c, c]`` block's fp32 scores,
-    probabilities and their gradient (``model.attention: math``), or under ``sdpa``'s fused kernels
-    (which never hold a block's scores) the block's K/V repeated to ``a/t`` heads and their
-    gradients, fp32; with the all-gather exchange (pipeline stages) also the whole sequence's K/V,
-    their gradients and the copies that reorder them, about four fp32 ``[s, 2, b, g/t, d]`` tensors
-    (the ring holds one block of K/V at a time)."""
-    if layout.cp == 1:
-        return 0.0
-    b, c, heads = layout.micro_batch, model.seq_len // (2 * layout.cp), model.heads // layout.tp
-    block = 3 * 4 * b * heads * c * c if model.attention == "math" else 4 * 4 * b * heads * c * model.head_dim
-    if layout.cp_comm == "ring":
-        return float(block)
-    kv = 2 * model.seq_len * b * (model.held_kv_heads(layout.tp) // layout.tp) * model.head_dim
-    return float(block + 4 * 4 * kv)
+    """The context-parallel kernel's backward transient of ``layout`` (:func:`context_block_bytes`)."""
+    return float(context_block_bytes(heads=model.heads, seq_len=model.seq_len, micro_batch=layout.micro_batch,
+                                     t=layout.tp, cp=layout.cp, attention=model.attention, cp_comm=layout.cp_comm,
+                                     kv_heads=model.held_kv_heads(layout.tp) // layout.tp, head_dim=model.head_dim))
 
 
 def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, precision: str) -> dict[str, float]:
@@ -137,12 +129,8 @@ def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, pr
     if rc.kind == "full" and rc.method == "uniform":
         full_units = layout.virtual_stages * math.ceil(chunk / rc.num_layers)
     held = counts["none"] * per["none"] + counts["selective"] * per["selective"] + full_units * per["full"]
-    working = per["none"]  # the activation gradients of the layer in backward
-    if counts["full"]:
-        unit = rc.num_layers if (rc.kind == "full" and rc.method == "uniform") else 1
-        working += unit * per["none"]
-    elif counts["selective"]:
-        working += per["none"] - per["selective"]
+    unit = (rc.num_layers if (rc.kind == "full" and rc.method == "uniform") else 1) if counts["full"] else 0
+    working = backward_transient_bytes(per, unit_layers=unit, selective=bool(counts["selective"]))
     working += context_transient(model, layout)
     parts = state_parts(model, layout, stage, precision)
     parts["activations"] = held * inflight_layers(layout, n_micro, stage)

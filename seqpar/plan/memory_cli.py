@@ -133,17 +133,29 @@ def plot(shapes: Sequence[ModelShape], path: str | Path) -> None:
     fig.savefig(path, dpi=150)
 
 
+def _check_layouts(entries: list[Entry]) -> list[Entry]:
+    """``entries``, each model's dimensions checked against its t (``--tp`` or ``parallel.tp``) and
+    its layers against pp x virtual_stages: a layout that cannot run is refused, naming the values."""
+    for e in entries:
+        try:
+            e.model.check_parallel(e.shape.t)
+        except ValueError as ex:
+            raise ValueError(f"{e.path}: {ex}") from None
+        if e.shape.p > 1 and e.model.layers % (e.shape.p * e.shape.m):
+            raise ValueError(f"{e.path}: model.layers={e.model.layers} is not divisible into pp x virtual_stages = "
+                             f"{e.shape.p} x {e.shape.m} pipeline stages")
+    return entries
+
+
 def _check_measurable(entries: Sequence[Entry]) -> None:
-    """Check each model's dimensions against its t before any rank is spawned."""
+    """Check each model's dimensions against its t before any rank is spawned (measured with
+    sequence parallelism, so the sequence must split over t too)."""
     for e in entries:
         cfg = e.model
         try:
             dataclasses.replace(cfg, sequence_parallel=True).check_parallel(e.shape.t)
         except ValueError as ex:
             raise ValueError(f"{e.path}: {ex}") from None
-        if e.shape.p > 1 and cfg.layers % (e.shape.p * e.shape.m):
-            raise ValueError(f"{e.path}: model.layers={cfg.layers} is not divisible into pp x virtual_stages = "
-                             f"{e.shape.p} x {e.shape.m} pipeline stages")
         if cfg.ffn_hidden != 4 * cfg.hidden:
             print(f"seqpar memory: note: {e.path}: ffn_hidden={cfg.ffn_hidden} != 4h; Table 2 assumes 4h",
                   file=sys.stderr)
@@ -231,7 +243,7 @@ def main(argv: list[str]) -> int:
     if args.paper or not paths:
         paths = [paper_config_dir() / f"{n}.yaml" for n in PAPER_MODELS] + paths
     try:
-        entries = [load_entry(p, args.micro_batch, args.tp, args.overrides) for p in paths]
+        entries = _check_layouts([load_entry(p, args.micro_batch, args.tp, args.overrides) for p in paths])
     except (OSError, ValueError) as e:  # ConfigError is a ValueError; messages name the path
         err(str(e))
         return 2

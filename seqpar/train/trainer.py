@@ -147,7 +147,8 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run, module=self.model, parts=self.engine.parts,
                                              streams=self.engine.streams, optimizer=self.optimizer,
                                              batches=self.batches, attachments=self.attachments,
-                                             data=data_identity(self.corpus.tokens, self.corpus.tokenizer),
+                                             data=data_identity(self.corpus.tokens, self.corpus.tokenizer,
+                                                                list(zip(self.corpus.names, self.corpus.weights))),
                                              print=self.logger.print)
 
     def _throughput(self) -> Throughput:
