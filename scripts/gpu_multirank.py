@@ -33,13 +33,20 @@ from seqpar.model import GPT, GPTConfig
 from seqpar.parallel import build_pipeline
 
 STEPS = 4
-# name -> (tp, dp, pp, overrides); the global batch is 4 sequences in every case and in the t=1 run
+# name -> (tp, dp, pp, cp, overrides); the global batch is 4 sequences in every case and in the t=1 run
 CASES = {
-    "t=2 SP": (2, 1, 1, ["parallel.tp=2", "model.sequence_parallel=true"]),
-    "dp=2 DDP": (1, 2, 1, ["parallel.dp=2", "parallel.data_parallel=ddp", "train.micro_batch=2"]),
-    "dp=2 FSDP2": (1, 2, 1, ["parallel.dp=2", "parallel.data_parallel=fsdp", "train.micro_batch=2"]),
-    "pp=2": (1, 1, 2, ["parallel.pp=2", "train.micro_batch=2"]),
+    "t=2 SP": (2, 1, 1, 1, ["parallel.tp=2", "model.sequence_parallel=true"]),
+    "dp=2 DDP": (1, 2, 1, 1, ["parallel.dp=2", "parallel.data_parallel=ddp", "train.micro_batch=2"]),
+    "dp=2 FSDP2": (1, 2, 1, 1, ["parallel.dp=2", "parallel.data_parallel=fsdp", "train.micro_batch=2"]),
+    "pp=2": (1, 1, 2, 1, ["parallel.pp=2", "train.micro_batch=2"]),
+    "cp=2 all-gather": (1, 1, 1, 2, ["parallel.cp=2", "parallel.cp_comm=allgather"]),
+    "cp=2 ring": (1, 1, 1, 2, ["parallel.cp=2", "parallel.cp_comm=ring"]),
+    "t=2 SP tp_overlap": (2, 1, 1, 1, ["parallel.tp=2", "model.sequence_parallel=true", "parallel.tp_overlap=true"]),
+    "t=2 SP compiled": (2, 1, 1, 1, ["parallel.tp=2", "model.sequence_parallel=true", "train.compile=true"]),
+    "dp=2 FSDP2 compiled": (1, 2, 1, 1, ["parallel.dp=2", "parallel.data_parallel=fsdp", "train.micro_batch=2",
+                                         "train.compile=true"]),
 }
+CUDA_ONLY = ("t=2 SP compiled", "dp=2 FSDP2 compiled")  # Inductor on the CPU: minutes of C++ builds
 TIMEOUT = timedelta(minutes=3)  # a rank stuck in a collective fails the run instead of hanging it
 
 
@@ -142,11 +149,12 @@ def _pipeline_timing(dev: str) -> dict:
     return {k: statistics.median(v) for k, v in res.items()}
 
 
-def _case(tmp: Path, device: str, dev: str, name: str, tp: int, dp: int, pp: int, overrides: list[str]) -> dict:
+def _case(tmp: Path, device: str, dev: str, name: str, layout: tuple, overrides: list[str]) -> dict:
     """One layout's losses (and the layout its mesh really has)."""
-    mesh = init_parallel(tp, dp, pp=pp, backend="gloo", device=dev, timeout=TIMEOUT)
+    tp, dp, pp, cp = layout
+    mesh = init_parallel(tp, dp, pp=pp, cp=cp, backend="gloo", device=dev, timeout=TIMEOUT)
     cfg = run_config(tmp, device, name.replace(" ", "_").replace("=", ""), overrides)
-    return {"losses": train_losses(cfg, mesh), "layout": [mesh.tp_size, mesh.dp_size, mesh.pp_size],
+    return {"losses": train_losses(cfg, mesh), "layout": [mesh.tp_size, mesh.dp_size, mesh.pp_size, mesh.cp_size],
             "device": str(mesh.device)}
 
 
@@ -168,8 +176,9 @@ def worker(out: str, device: str) -> int:
     tmp = Path(out).parent
     results: dict = {}
     with host_staged_p2p(stage_cpu=True):  # on the CPU too, so that the smoke mode runs the staging
-        for name, (tp, dp, pp, overrides) in CASES.items():
-            results[name] = _guarded(lambda: _case(tmp, device, dev, name, tp, dp, pp, overrides))
+        for name, (*layout, overrides) in CASES.items():
+            if device == "cuda" or name not in CUDA_ONLY:
+                results[name] = _guarded(lambda: _case(tmp, device, dev, name, tuple(layout), overrides))
         results["sp dropout"] = _guarded(lambda: _sp_dropout(dev, device))
         results["pp timing"] = _guarded(lambda: _pipeline_timing(dev)) if device == "cuda" else None
     if dist.get_rank() == 0:
@@ -195,14 +204,18 @@ def check_multirank(device: str, script: Path, timeout_s: int) -> list[Row]:
         show_failure("two-rank checks", proc)
         return [Row(f"2 ranks ({where})", f"ranks exited {proc.returncode} (see stderr)", "exit 0", "FAIL")]
     rows = []
-    for name, (tp, dp, pp, _) in CASES.items():
-        r, what = results[name], f"2 ranks ({where}): {name} vs t=1, {STEPS} steps fp32"
+    for name, (*layout, _) in CASES.items():
+        what = f"2 ranks ({where}): {name} vs t=1, {STEPS} steps fp32"
+        if name not in results:
+            rows.append(Row(what, NEEDS_CUDA, "< 1e-04", "SKIP"))
+            continue
+        r = results[name]
         if "error" in r:
             rows.append(Row(what, r["error"], "< 1e-04", "FAIL"))
             continue
         err = max_rel(r["losses"], reference)
-        ok = err < 1e-4 and r["layout"] == [tp, dp, pp]
-        rows.append(Row(what, f"max loss rel diff {err:.2e} (tp, dp, pp = {r['layout']} on {r['device']})",
+        ok = err < 1e-4 and r["layout"] == list(layout)
+        rows.append(Row(what, f"max loss rel diff {err:.2e} (tp, dp, pp, cp = {r['layout']} on {r['device']})",
                         "< 1e-04", verdict(ok)))
     sp = results["sp dropout"]
     if "error" in sp:

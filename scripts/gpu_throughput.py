@@ -13,6 +13,7 @@ from seqpar import flops
 from seqpar.distributed import ParallelMesh
 from seqpar.memory import ActivationLedger
 from seqpar.model import GPT, GPTConfig
+from seqpar.parallel.compile import compile_blocks, compile_seconds, uncompile_blocks
 from seqpar.train.optim import build_optimizer
 
 
@@ -59,6 +60,38 @@ def time_core(model: GPT, b: int, shapes) -> float:
             times.append(time.perf_counter() - t0)
         del out
     return statistics.median(times)
+
+
+def time_compiled(model: GPT, opt, tokens: torch.Tensor, shapes) -> dict:
+    """The same step with every block compiled (train.compile) at recompute selective; the first
+    step's compilation is timed apart (compile seconds per block shape)."""
+    start = compile_seconds()
+    report = compile_blocks(model)
+    model.set_recompute("selective")
+    sync(tokens.device)
+    t0 = time.perf_counter()
+    model(tokens, tokens).backward()  # traces and compiles forward and backward
+    opt.zero_grad(set_to_none=True)
+    sync(tokens.device)
+    first_s, compile_s = time.perf_counter() - t0, compile_seconds() - start
+    out = time_mode(model, opt, tokens, "selective", shapes)
+    uncompile_blocks(model)
+    return out | {"first_s": first_s, "compile_s": compile_s, "blocks": report.blocks}
+
+
+def compiled_rows(res: dict[str, dict], compiled: dict, cfg: GPTConfig, device: str) -> list[Row]:
+    """Compiled vs eager selective: step time (asserted on CUDA: compiled no slower), peak memory,
+    and the compilation's cost."""
+    on_gpu = device == "cuda"
+    ratio = res["selective"]["step_s"] / compiled["step_s"]
+    note = "" if on_gpu else " (tiny CPU run: shown, asserted on CUDA only)"
+    return [Row(f"compiled selective: step time and tokens/s vs eager{note}",
+                f"{compiled['step_s'] * 1e3:.1f} ms vs {res['selective']['step_s'] * 1e3:.1f} ms: "
+                f"{ratio:.3f}x eager's tokens/s", ">= 1.0", verdict(ratio >= 1.0) if on_gpu else "INFO"),
+            Row("compiled selective: peak memory vs eager", f"{fmt_bytes(compiled['peak'])} vs "
+                f"{fmt_bytes(res['selective']['peak'])}", "-", "INFO"),
+            Row(f"compile time ({compiled['blocks']} blocks of one shape, {cfg.layers}L h={cfg.hidden})",
+                f"{compiled['compile_s']:.1f} s compiling; first step {compiled['first_s']:.1f} s", "-", "INFO")]
 
 
 def selective_bound(res: dict[str, dict], core_s: float, layers: int) -> tuple[float, float]:
@@ -108,8 +141,9 @@ def check_throughput(device: str, shapes) -> list[Row]:
     tokens = batch(cfg.vocab_size, shapes.big_batch, cfg.seq_len, mesh.device)[0]
     res = {mode: time_mode(model, opt, tokens, mode, shapes) for mode in ("none", "selective", "full")}
     core_s = time_core(model, shapes.big_batch, shapes)
+    compiled = time_compiled(model, opt, tokens, shapes)
     del model, opt
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
-    return throughput_rows(res, cfg, shapes.big_batch, device, core_s)
+    return throughput_rows(res, cfg, shapes.big_batch, device, core_s) + compiled_rows(res, compiled, cfg, device)

@@ -18,8 +18,10 @@ Checks, each a row (or a few) of the Markdown table it prints (measured, thresho
 3. memory: activation bytes per layer at t=1 in bf16 within 5% of Table 2 (torch.cuda
    .memory_allocated across the forward at two depths, difference / 2, so the embedding and
    logits terms cancel) and within 2% by the activation ledger.
-4. throughput: a 1.3B-class GPT (24L, h=2048, a=16, s=2048, bf16 parameters): selective / none
-   step time <= 1.22, full / none in [1.2, 1.45], peak memory none > selective > full; MFU shown.
+4. throughput: a 1.3B-class GPT (24L, h=2048, a=16, s=2048, bf16 parameters): selective adds at
+   most 1.3x the time of re-running every layer's attention core, full / none in [1.2, 1.45], peak
+   memory none > selective > full; MFU shown. Compiled blocks (train.compile) at selective: no
+   slower than eager, their peak memory and the compilation's seconds shown.
 5. launcher: torchrun (NCCL on a GPU, gloo on the CPU) runs the shipped ``tiny-cpu`` config for
    10 steps with dropout and eval, then resumes from its checkpoint to 12 steps.
 6. tp (``--tp N``, N > 1): check 1 again on N ranks with tensor + sequence parallelism, against
@@ -36,8 +38,9 @@ Checks, each a row (or a few) of the Markdown table it prints (measured, thresho
 11. lines: the Trainer's activation and state lines; on CUDA its peak-memory line per log step.
 12. async: ``save_checkpoint(async_save=True)`` returns in < 25% of a synchronous save (CUDA).
 13. multirank (scripts/gpu_multirank.py): two ranks on the one device over gloo
-    (``init_parallel(backend="gloo", device="cuda:0")``): t=2 SP, dp=2 DDP, dp=2 FSDP2 and pp=2
-    losses within 1e-4 of t=1 on the same device; t=2 SP with dropout: recompute bit-identical,
+    (``init_parallel(backend="gloo", device="cuda:0")``): t=2 SP, dp=2 DDP, dp=2 FSDP2, pp=2,
+    cp=2 (all-gather and ring), t=2 SP with tp_overlap, and on CUDA t=2 SP and FSDP2 with compiled
+    blocks: losses within 1e-4 of t=1 on the same device; t=2 SP with dropout: recompute bit-identical,
     per-TP-rank streams differ; on CUDA pp=2 step time with chunk timing off <= on.
 
 Exits 1 when any row FAILs. ``--device cpu`` runs every check a CPU can with tiny shapes (the
@@ -77,8 +80,8 @@ from seqpar.model import GPT, GPTConfig  # noqa: E402
 CHECKS = ("correctness", "rng", "memory", "throughput", "launcher", "tp", "sdpa", "resume", "precision", "syncs",
           "lines", "async", "multirank")
 # planned seconds of each check on one H200 (gpu_check.sh's budget is 480 s in all)
-PLANNED_S = {"correctness": 40, "rng": 15, "memory": 20, "throughput": 90, "launcher": 60, "tp": 60, "sdpa": 10,
-             "resume": 30, "precision": 10, "syncs": 10, "lines": 10, "async": 30, "multirank": 90}
+PLANNED_S = {"correctness": 15, "rng": 15, "memory": 15, "throughput": 150, "launcher": 35, "tp": 60, "sdpa": 10,
+             "resume": 10, "precision": 5, "syncs": 5, "lines": 5, "async": 25, "multirank": 120}
 TABLE2 = {"none": "tp", "selective": "tp_selective", "full": "full"}  # recompute mode -> Table 2 row at t=1
 Perturb = Callable[[dict[str, torch.Tensor]], None]
 
@@ -333,10 +336,11 @@ def run_checks(device: str, tp: int, only: tuple[str, ...]) -> list[Row]:
     runs = {"sdpa": gpu_runs.check_sdpa_replay, "resume": gpu_runs.check_resume,
             "precision": gpu_runs.check_bf16_autocast, "syncs": gpu_runs.check_host_syncs,
             "lines": gpu_runs.check_memory_lines, "async": gpu_runs.check_async_save}
-    rows = []
+    rows: list[Row] = []
     for name in only:
         if name == "tp" and tp < 2:
             continue
+        done = len(rows)
         if device == "cuda":
             print(f"[{name}: planned ~{PLANNED_S[name]} s on an H200]", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
@@ -351,6 +355,9 @@ def run_checks(device: str, tp: int, only: tuple[str, ...]) -> list[Row]:
             traceback.print_exc()
             rows.append(Row(name, f"raised {type(e).__name__}: {str(e)[:200]}".replace("|", "/"), "no error", "FAIL"))
         print(f"[{name}: {time.perf_counter() - t0:.1f} s]", file=sys.stderr, flush=True)
+        for row in rows[done:]:  # as they come: a run cut short by its time limit still shows them
+            print(f"[row] {row.check} | {row.measured} | {row.threshold} | {row.result}", file=sys.stderr,
+                  flush=True)
     return rows
 
 

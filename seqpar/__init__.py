@@ -7,18 +7,13 @@ Models" (arXiv 2205.05198).
     model = seqpar.parallelize(model, seqpar.plans.gpt2(), mesh)   # an existing model, or
     model = seqpar.model.GPT(seqpar.model.GPTConfig(...), mesh)    # seqpar's own GPT
 
-``seqpar.parallelize`` is a function and ``seqpar.plans`` the ready drop-in plans, both defined in
-:mod:`seqpar.dropin`; ``import seqpar.parallelize`` and ``import seqpar.plans`` give the same
-objects (registered below), so no module of that name shadows them.
+``seqpar.parallelize`` is the function (imported from the module :mod:`seqpar.parallelize`, whose
+name it then takes over in this namespace, as ``unittest.main`` does; the code is in
+:mod:`seqpar.dropin`) and :mod:`seqpar.plans` the ready drop-in plans for Hugging Face models.
 """
-import sys
-
 from .distributed.mesh import ParallelMesh, init_parallel
-from .dropin import plans
-from .dropin.tensor_parallel import parallelize
-
-sys.modules[f"{__name__}.plans"] = plans
-sys.modules[f"{__name__}.parallelize"] = parallelize  # type: ignore[assignment]  # the function, not a module
+from . import plans
+from .parallelize import parallelize
 
 __version__ = "0.1.0"
 __all__ = ["ParallelMesh", "init_parallel", "parallelize", "plans", "__version__"]

@@ -21,11 +21,14 @@ both passes.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Literal, Sequence, get_args
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from .distributed.rng import RNGStreams, capture_rng, replay_rng
 
@@ -73,6 +76,16 @@ def checkpoint(run_fn: Callable, *args, streams: RNGStreams | None = None):
     if not torch.is_grad_enabled() or not any(torch.is_tensor(a) and a.requires_grad for a in args):
         return run_fn(*args)
     return _Checkpoint.apply(run_fn, streams, *args)
+
+
+def run_plan(runs: Sequence[tuple[int, int, bool]], run_blocks: Callable, x: torch.Tensor,
+             streams: RNGStreams | None = None) -> torch.Tensor:
+    """Run the layer runs ``(start, end, checkpointed)`` of a recompute plan (:func:`full_recompute_plan`,
+    :func:`layer_recompute_plan`) through ``run_blocks(x, start, end)``; a checkpointed run keeps only
+    its input and replays ``streams`` when recomputed."""
+    for begin, end, ckpt in runs:
+        x = checkpoint(run_blocks, x, begin, end, streams=streams) if ckpt else run_blocks(x, begin, end)
+    return x
 
 
 def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
@@ -131,3 +144,91 @@ def layer_recompute_plan(modes: Sequence[str]) -> list[tuple[int, int, bool]]:
         else:
             runs.append((i, i + 1, mode == "full"))
     return runs
+
+
+# ----------------------------------------------------------------------------- compiled blocks
+# Under torch.compile a transformer block runs inside torch.utils.checkpoint with a selective
+# checkpoint policy the compiler honours: every op of the attention core is recomputed
+# (selective), everything else is saved, exactly as the eager step keeps it (none). The min-cut
+# partitioner would otherwise pick its own recomputation and change Table 2's bytes.
+_SDPA_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                 "_scaled_dot_product_attention_math", "scaled_dot_product_attention")
+
+
+def attention_core_ops() -> frozenset:
+    """The aten (and seqpar) ops of :class:`seqpar.model.attention.CoreAttention`: QK^T with the
+    causal bias, softmax, the core's dropout, attention over V, and the fused SDPA kernels."""
+    aten = torch.ops.aten
+    ops = {aten.baddbmm.default, aten.bmm.default, aten._softmax.default, aten.softmax.int,
+           torch.ops.seqpar.core_dropout.default}
+    ops.update(getattr(aten, name).default for name in _SDPA_KERNELS if hasattr(aten, name))
+    return frozenset(ops)
+
+
+def sequence_gather_ops() -> frozenset:
+    """The traced form of the SP all-gather (g) and of waiting on it. A column-parallel layer keeps
+    only its sequence shard and gathers again in backward (§4.2.2); saving the gathered tensor
+    instead would keep ``t`` times the bytes, so a compiled block recomputes the gather."""
+    ops = set()
+    functional = getattr(torch.ops, "_c10d_functional", None)
+    for name in ("all_gather_into_tensor", "wait_tensor"):
+        packet = getattr(functional, name, None) if functional is not None else None
+        if packet is not None:
+            ops.add(packet.default)
+    return frozenset(ops)
+
+
+def dtype_cast_ops() -> frozenset:
+    """Casts between dtypes. Inductor's decompositions (LayerNorm, GeLU in bf16) upcast their input
+    to fp32 and would keep the fp32 copy, twice the bytes of the bf16 tensor the eager op keeps:
+    a compiled block recomputes casts where that keeps less."""
+    return frozenset({torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default})
+
+
+def block_policy(mode: RecomputeMode, low_precision: bool = False) -> Callable:
+    """The selective-checkpoint policy of a compiled block at recompute ``mode`` ("none" or
+    "selective"; a full layer is checkpointed around its compiled block by :func:`checkpoint`).
+
+    Everything outside the attention core is saved as the eager step saves it (``MUST_SAVE``),
+    except with ``low_precision`` (bf16 / fp16 activations): Inductor decomposes LayerNorm and GeLU
+    into fp32 math after the policy has tagged them, and a forced save keeps the fp32 upcast (twice
+    the bytes); there those ops are only preferred saved, so the partitioner keeps the bf16 tensor
+    and recomputes the cast (and may recompute other cheap pointwise ops: docs/training.md)."""
+    if mode not in ("none", "selective"):
+        raise ValueError(f"a compiled block's own policy is 'none' or 'selective', got {mode!r}")
+    core = attention_core_ops() if mode == "selective" else frozenset()
+    cheap = sequence_gather_ops() | dtype_cast_ops()
+
+    def policy(ctx, op, *args, **kwargs):
+        if op in core:
+            return CheckpointPolicy.MUST_RECOMPUTE
+        if op in cheap:  # the SP gather again in backward, as the eager layers do; casts
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        return keep
+    keep = CheckpointPolicy.PREFER_SAVE if low_precision else CheckpointPolicy.MUST_SAVE
+    return policy
+
+
+_POLICIES: dict[tuple[str, bool], Callable] = {(mode, low): block_policy(mode, low) for mode in ("none", "selective")
+                                               for low in (False, True)}  # built untraced
+
+
+def _recompute_everything(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def recompute_region(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
+    """``fn(*args)`` keeping only ``args``, every op recomputed in backward: the compiled form of
+    :func:`checkpoint` (a selective-checkpoint policy the compiler honours). Random ops inside draw
+    from the default generator; seqpar's own dropout replays its saved stream state."""
+    context = partial(create_selective_checkpoint_contexts, _recompute_everything)
+    return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=context)
+
+
+def run_with_policy(fn: Callable, x: torch.Tensor, mode: RecomputeMode) -> torch.Tensor:
+    """``fn(x)`` under ``mode``'s selective-checkpoint policy (traced by torch.compile as one
+    region; the stream states a dropout advances are advanced once, in forward)."""
+    low = x.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(x.device.type)
+    context = partial(create_selective_checkpoint_contexts, _POLICIES[(mode, low)])
+    return torch_checkpoint(fn, x, use_reentrant=False, context_fn=context)

@@ -9,7 +9,7 @@ torch.set_num_threads(1)
 
 # Import names of the packages in pyproject's `test` extra (tests/test_ci_extras.py keeps the two in
 # step). Under CI=true a test that `pytest.importorskip`s one of them fails instead of skipping.
-TEST_EXTRA_MODULES = ("hypothesis", "transformers", "megatron.core", "matplotlib")
+TEST_EXTRA_MODULES = ("hypothesis", "transformers", "megatron.core", "matplotlib", "datasets")
 
 
 def _fail_if_test_extra_missing(report) -> None:

@@ -24,14 +24,26 @@ def phrase_tokens(path: Path, vocab: int = 128, phrases: int = 6, length: int = 
     return path
 
 
-def run_overrides(tmp: Path, settings: dict, tokens: Path | None = None, out: str = "out", **extra) -> list[str]:
-    """``key=value`` overrides: ``settings``, then ``extra`` (``a__b`` means ``a.b``), with the data
-    source (default: ``random_tokens(tmp / "tokens.npy")``), ``checkpoint.dir`` and ``out_dir`` in ``tmp``."""
+def run_overrides(tmp: Path, settings: dict, tokens: Path | None = None, out: str = "out", ckpt: str = "ckpt",
+                  **extra) -> list[str]:
+    """``key=value`` overrides: ``settings``, then ``extra`` (``a__b`` means ``a.b``; dotted keys pass
+    as they are), with the data source (default: ``random_tokens(tmp / "tokens.npy")``),
+    ``checkpoint.dir`` (``tmp / ckpt``) and ``out_dir`` (``tmp / out``) in ``tmp``."""
     cfg = {"data.source": str(tokens if tokens is not None else random_tokens(tmp / "tokens.npy")),
-           "checkpoint.dir": str(tmp / "ckpt"), "checkpoint.resume": "never", "out_dir": str(tmp / out)}
+           "checkpoint.dir": str(tmp / ckpt), "checkpoint.resume": "never", "out_dir": str(tmp / out)}
     cfg.update(settings)
     cfg.update({k.replace("__", "."): v for k, v in extra.items()})
     return [f"{k}={v}" for k, v in cfg.items()]
+
+
+# the tiny model most trainer tests train: small enough for several CPU ranks per test
+TINY_MODEL = {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16}
+# TINY_MODEL with every TP split exercised at t = 2 (a padded vocabulary: 64 -> 66 rows, an untied
+# output layer, sequence parallelism, selective recompute) and no dropout, so layouts compare exactly
+SHARDED_RUN = {**TINY_MODEL, "model.vocab_multiple": 3, "model.heads": 4, "model.dropout": 0.0,
+               "model.attention_dropout": 0.0, "model.sequence_parallel": True, "model.recompute": "selective",
+               "model.tie_embeddings": False, "train.micro_batch": 2, "train.global_batch": 8,
+               "train.warmup_steps": 2, "train.seed": 3, "train.precision": "fp32"}
 
 
 # a run whose loss visibly falls in 20 steps: the end-to-end training and resume tests

@@ -20,7 +20,8 @@ import torch
 
 from seqpar.checkpoint import (CheckpointCorrupt, CheckpointMismatch, CheckpointWriteError, files, latest_checkpoint,
                                load_checkpoint, load_model_only, resume_latest, save_checkpoint)
-from seqpar.checkpoint.compat import MODEL_KEYS, RUNTIME_KEYS, check_compatible, data_identity, model_changes
+from seqpar.checkpoint.compat import (MODEL_KEYS, RUNTIME_KEYS, check_compatible, data_changes, data_identity,
+                                     model_changes)
 from seqpar.config import RunConfig, dump, load_run_config
 from seqpar.model import GPT, GPTConfig
 from seqpar.train.optim import build_optimizer
@@ -199,6 +200,10 @@ def test_other_data_is_refused_unless_allowed(tmp_path, tiny):
         check_compatible(folder, cfg, data_identity(a, _tok()), extra)  # a tokenizer where there was none
     cfg.checkpoint.allow_data_change = True
     check_compatible(folder, cfg, data_identity(b, _tok()), extra)
+    older = {k: v for k, v in data_identity(a).items() if k != "blend"}  # saved before blends were recorded
+    assert data_changes(older, data_identity(a, blend=[("a.npy", 1.0)]), None) == []
+    assert data_changes(data_identity(a), data_identity(a, blend=[("a.npy", 1.0)]), None) == [
+        "the blend weights (one source -> a.npy 1)"]
 
 
 def _tok():

@@ -38,6 +38,20 @@ def test_conftest_names_every_package_of_the_test_extra():
     assert set(TEST_EXTRA_MODULES) == {n.replace("-", ".") if n == "megatron-core" else n for n in names}
 
 
+# what the suite may skip without being a package of the test extra: the standard library's own
+# (tomllib, Python >= 3.11), torch's optional parts, and this file's stand-in for a missing package
+NOT_EXTRAS = ("tomllib", "torch.", "not_a_test_extra_package")
+
+
+def test_every_package_the_suite_skips_without_is_in_the_test_extra():
+    """A package guarded by importorskip but missing from the extra skips its tests silently, even in CI."""
+    guarded = {m for path in (ROOT / "tests").glob("*.py")
+               for m in re.findall(r'importorskip\("([\w.]+)"', path.read_text())}
+    outside = sorted(m for m in guarded if not m.startswith(NOT_EXTRAS)
+                     and not any(m == e or m.startswith(e + ".") for e in TEST_EXTRA_MODULES))
+    assert not outside, f"guarded by importorskip but not in pyproject's test extra: {outside}"
+
+
 def _pytest(tmp_path: Path, ci: str | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     env["PYTHONPATH"] = str(tmp_path / "shadow")  # where both packages fail to import

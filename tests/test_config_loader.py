@@ -356,3 +356,10 @@ def test_files_are_read_as_yaml_1_2_and_dumped_so_they_read_back(tmp_path):
     odd = load_run_config(None, ["out_dir='0o17'", "data.source='09'", "checkpoint.dir=yes", "data.cache_dir='1e5'"])
     path.write_text(dump(odd))  # strings that 1.2 would read as numbers are quoted when dumped
     assert load_run_config(path) == odd
+
+
+def test_strings_with_unicode_line_breaks_round_trip_through_yaml():
+    """NEL, LS and PS are line breaks to YAML: quoted plainly they folded to a space on reading."""
+    from seqpar.config import yaml12
+    for text in ("\x85", "cache\u2028dir", "a\u2029", "plain"):
+        assert yaml12.load(yaml12.dump({"k": text}))["k"] == text

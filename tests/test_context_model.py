@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from seqpar.distributed import count_comm
 from seqpar.distributed.collectives import all_reduce_coalesced
 from seqpar.distributed.mesh import ParallelMesh, init_parallel
 from seqpar.memory.ledger import ActivationLedger
@@ -45,6 +46,9 @@ def _cp2_worker(rank, world):
                 for sp in (True, False):
                     cfg = tiny_config(layers=2, recompute=recompute, sequence_parallel=sp, **extra)
                     errs[(name, comm, recompute, sp)] = _compare(cfg, mesh, comm)
+            # model.attention=sdpa: the blocks on the CPU flash kernel, the same model to 1e-5
+            cfg = tiny_config(layers=2, recompute="selective", attention="sdpa", **extra)
+            errs[(name, comm, "sdpa")] = _compare(cfg, mesh, comm)
     return errs
 
 
@@ -56,7 +60,26 @@ def _cp2_tp2_worker(rank, world):
         for comm in ("allgather", "ring"):
             cfg = tiny_config(layers=2, recompute="selective", **extra)
             errs[(name, comm)] = _compare(cfg, mesh, comm)
-    return errs, _saved_vs_formula(mesh)
+    saved = _saved_vs_formula(mesh)
+    mesh4 = init_parallel(tp=1, dp=1, cp=4)  # the same 4 ranks as one CP group: 8 chunks of 2 tokens
+    for name, extra in (("gpt", {}), ("llama", LLAMA)):  # llama: grouped-query attention, 4 heads over 2
+        for comm, recompute in (("allgather", "selective"), ("ring", "selective"), ("ring", "full")):
+            cfg = tiny_config(layers=2, recompute=recompute, **extra)
+            errs[("cp4", name, comm, recompute)] = _compare(cfg, mesh4, comm)
+    return errs, saved, {comm: _collectives(mesh4, comm) for comm in ("allgather", "ring")}
+
+
+def _collectives(mesh, comm: str) -> list[dict]:
+    """Calls per collective kind of one forward + backward of a 1-layer and a 2-layer Llama."""
+    calls = []
+    for layers in (1, 2):
+        cfg = tiny_config(layers=layers, recompute="selective", **LLAMA)
+        model = GPT(cfg, mesh, seed=7, cp_comm=comm)
+        tokens, labels = batch(cfg, b=2, seed=3)
+        with count_comm() as counter:
+            model(tokens, labels).backward()
+        calls.append(dict(counter.calls))
+    return calls
 
 
 def _saved_vs_formula(mesh) -> dict:
@@ -80,12 +103,21 @@ def test_cp2_equals_unsplit(tmp_path):
         assert not bad, bad
 
 
-def test_cp2_tp2_equals_unsplit_and_keeps_what_the_formula_says(tmp_path):
-    for errs, ratios in run_ranks(_cp2_tp2_worker, 4, tmp_path):
+def test_cp2_tp2_and_cp4_equal_unsplit_and_keep_what_the_formula_says(tmp_path):
+    for errs, ratios, calls in run_ranks(_cp2_tp2_worker, 4, tmp_path):
+        assert sum(1 for k in errs if k[0] == "cp4") == 6
         bad = {k: e for k, e in errs.items() if not e <= 1e-5}
         assert not bad, bad
         off = {k: r for k, r in ratios.items() if not abs(r - 1) <= 0.03}
         assert not off, ratios  # int64 token ids and norm statistics are the rest
+        # per layer, exactly the K/V exchange: all-gather, then in backward one more and a
+        # reduce-scatter; the ring's 3 cp - 2 steps (cp = 4); outside the layers only the loss and token count
+        per_layer = {"allgather": {"all_gather": 2, "reduce_scatter": 1}, "ring": {"send_recv": 10}}
+        for comm, (one, two) in calls.items():
+            layer = {k: two.get(k, 0) - one.get(k, 0) for k in two.keys() | one.keys()}
+            assert {k: n for k, n in layer.items() if n} == per_layer[comm], (comm, one, two)
+            outside = {k: n - per_layer[comm].get(k, 0) for k, n in one.items()}
+            assert {k: n for k, n in outside.items() if n} == {"all_reduce": 2}, (comm, outside)  # loss, tokens
 
 
 def test_model_refuses_bad_cp_layouts():

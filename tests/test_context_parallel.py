@@ -61,16 +61,19 @@ def _attention_worker(rank, world):
     pos = context_positions(s, rank, world)
     errs, flops, calls = {}, {}, {}
     for comm in ("allgather", "ring"):
-        cp = ContextParallel.of(dist.group.WORLD, comm)
-        ql, kl, vl = (x[pos].clone().requires_grad_() for x in (q, k, v))
-        with count_comm() as counter:
-            with FlopCounterMode(display=False) as fc:
-                out = context_attention(ql, kl, vl, cp, 1 / math.sqrt(d))
-            flops[comm] = fc.get_total_flops()
-            out.backward(dout[pos])
-        calls[comm] = counter.calls
-        errs[comm] = max(float((out.detach() - ref[pos]).abs().max()), float((ql.grad - qr.grad[pos]).abs().max()),
-                         float((kl.grad - kr.grad[pos]).abs().max()), float((vl.grad - vr.grad[pos]).abs().max()))
+        for kernel in ("math", "sdpa"):  # sdpa: the CPU flash kernel, fp64 here
+            cp = ContextParallel.of(dist.group.WORLD, comm, kernel)
+            ql, kl, vl = (x[pos].clone().requires_grad_() for x in (q, k, v))
+            with count_comm() as counter:
+                with FlopCounterMode(display=False) as fc:
+                    out = context_attention(ql, kl, vl, cp, 1 / math.sqrt(d))
+                flops[comm, kernel] = fc.get_total_flops()
+                out.backward(dout[pos])
+            calls[comm, kernel] = counter.calls
+            errs[comm, kernel] = max(float((out.detach() - ref[pos]).abs().max()),
+                                     float((ql.grad - qr.grad[pos]).abs().max()),
+                                     float((kl.grad - kr.grad[pos]).abs().max()),
+                                     float((vl.grad - vr.grad[pos]).abs().max()))
     return errs, flops, calls
 
 
@@ -79,13 +82,27 @@ def test_attention_fp64_equals_unsplit(tmp_path, world):
     results = run_ranks(_attention_worker, world, tmp_path)
     for errs, _, calls in results:
         assert max(errs.values()) <= 1e-10, errs
-        # forward one gather; backward one gather and one reduce-scatter of the K/V gradients
-        assert calls["allgather"] == {"all_gather": 2, "reduce_scatter": 1}
-        # ring: cp-1 K/V steps forward, cp-1 again in backward plus cp gradient steps
-        assert calls["ring"] == {"send_recv": 3 * world - 2}
+        for kernel in ("math", "sdpa"):  # the kernel changes no exchange
+            # forward one gather; backward one gather and one reduce-scatter of the K/V gradients
+            assert calls["allgather", kernel] == {"all_gather": 2, "reduce_scatter": 1}
+            # ring: cp-1 K/V steps forward, cp-1 again in backward plus cp gradient steps
+            assert calls["ring", kernel] == {"send_recv": 3 * world - 2}
     for comm in ("allgather", "ring"):
-        per_rank = [flops[comm] for _, flops, _ in results]
+        per_rank = [flops[comm, "math"] for _, flops, _ in results]
         c, b, a, d = 8 // 2, 2, 4, 8
         chunk_pair = 2 * 2 * b * a * c * c * d  # QK^T and PV of one (query chunk, key chunk) pair
         assert max(per_rank) - min(per_rank) <= chunk_pair, (comm, per_rank)
         assert min(per_rank) > 0
+
+
+def test_model_attention_picks_the_block_kernel():
+    from seqpar.model.context_kernels import Blocks
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    kind = {(a, dev.type, dt): Blocks.of(a, 0.5, 2, dev, dt).kind
+            for a in ("math", "sdpa") for dev in (cpu, cuda) for dt in (torch.float32, torch.float64)}
+    assert kind == {("math", "cpu", torch.float32): "math", ("math", "cpu", torch.float64): "math",
+                    ("math", "cuda", torch.float32): "math", ("math", "cuda", torch.float64): "math",
+                    ("sdpa", "cpu", torch.float32): "cpu-flash", ("sdpa", "cpu", torch.float64): "cpu-flash",
+                    ("sdpa", "cuda", torch.float32): "cuda-efficient", ("sdpa", "cuda", torch.float64): "math"}
+    with pytest.raises(ValueError, match="model.attention must be 'math' or 'sdpa', got 'flash'"):
+        ContextParallel.of(None, "ring", "flash")

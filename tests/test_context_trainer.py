@@ -4,6 +4,11 @@ across cp."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,20 +19,24 @@ from seqpar.distributed.mesh import ParallelMesh, init_parallel
 from seqpar.train import Trainer
 from seqpar.train.resolve import resolve_run
 
+from run_helpers import TINY_MODEL, run_overrides
 
-def _overrides(tmp, out: str, **extra) -> list[str]:
-    cfg = {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 2, "model.layers": 2,
-           "model.dropout": 0.0, "model.attention_dropout": 0.0, "model.recompute": "selective",
-           "train.steps": 4, "train.micro_batch": 2, "train.global_batch": 4, "train.lr": 3e-3,
-           "train.warmup_steps": 1, "train.eval_interval": 0, "train.seed": 5, "train.log_interval": 1,
-           "data.source": str(tmp / "tokens.npy"), "checkpoint.dir": str(tmp / out / "ckpt"),
-           "checkpoint.resume": "never", "checkpoint.interval": 0, "out_dir": str(tmp / out)}
-    cfg.update(extra)
-    return [f"{k}={v}" for k, v in cfg.items()]
+
+# no dropout (cp refuses attention dropout) so every layout's losses equal one process's
+RUN = {**TINY_MODEL, "model.heads": 2, "model.layers": 2, "model.dropout": 0.0, "model.attention_dropout": 0.0,
+       "model.recompute": "selective", "train.steps": 4, "train.micro_batch": 2, "train.global_batch": 4,
+       "train.lr": 3e-3, "train.warmup_steps": 1, "train.eval_interval": 0, "train.seed": 5,
+       "train.log_interval": 1, "checkpoint.interval": 0}
+
+
+def _config(tmp, out: str, **extra):
+    """The run writing to ``tmp / out`` with its own checkpoint dir, on ``tmp / "tokens.npy"``."""
+    return load_run_config(None, run_overrides(tmp, RUN, tokens=tmp / "tokens.npy", out=out, ckpt=f"{out}/ckpt",
+                                               **extra))
 
 
 def _save_at_2(tmp, out: str, mesh, **extra) -> None:
-    trainer = Trainer(load_run_config(None, _overrides(tmp, out, **extra)), mesh=mesh)
+    trainer = Trainer(_config(tmp, out, **extra), mesh=mesh)
     try:
         trainer.train_step(0)
         trainer.train_step(1)
@@ -37,11 +46,17 @@ def _save_at_2(tmp, out: str, mesh, **extra) -> None:
 
 
 def _fit(tmp, out: str, mesh, **extra) -> dict:
-    trainer = Trainer(load_run_config(None, _overrides(tmp, out, **extra)), mesh=mesh)
+    """This rank's losses, global grad norms and counted tokens/FLOPs of ``Trainer.fit``."""
+    trainer = Trainer(_config(tmp, out, **extra), mesh=mesh)
     counted = (trainer.throughput.tokens_per_step, trainer.throughput.flops_per_step)
+    norms, step = [], trainer.train_step
+
+    def recorded(i):  # the norm this rank computed (metrics.jsonl has global rank 0's only)
+        m = step(i)
+        norms.append(m.grad_norm)
+        return m
+    trainer.train_step = recorded
     history = trainer.fit()
-    metrics = tmp / out / "metrics.jsonl"  # written by global rank 0
-    norms = [json.loads(line)["grad norm"] for line in metrics.read_text().splitlines()] if metrics.exists() else None
     return {"losses": history["losses"], "counted": counted, "norms": norms}
 
 
@@ -74,8 +89,7 @@ def _layouts(rank, world, tmp):
 def _rng_after_resume_at_dp2(tmp) -> bool:
     """The cp=2 x tp=2 checkpoint resumed at dp=2 x tp=2 (the same world size): its per-rank RNG
     states belong to other ranks' roles, so the fresh streams must be kept."""
-    trainer = Trainer(load_run_config(None, _overrides(tmp, "cp-saved", **{"parallel.tp": 2,
-                                                                           "checkpoint.resume": "auto"})),
+    trainer = Trainer(_config(tmp, "cp-saved", **{"parallel.tp": 2, "checkpoint.resume": "auto"}),
                       mesh=init_parallel(tp=2))
     try:
         fresh = trainer.engine.streams[0].get_state()
@@ -93,15 +107,17 @@ def test_context_parallel_trainer_equals_one_process(spawn, tmp_path):
     back = spawn(_single, 1, tmp_path, "after")[0]
     ref = one["losses"]
     assert len(ref) == 4
-    for r in ranks:
+    assert len(one["norms"]) == 4
+    for rank, r in enumerate(ranks):  # every rank, not only the one that writes metrics.jsonl
         for name in ("tp2cp2", "dp2cp2", "fsdp-dp2cp2", "fsdp-tp2cp2", "pp2cp2"):  # FSDP2 shards over dp x cp
-            assert np.allclose(r[name]["losses"], ref, atol=1e-5, rtol=0), (name, r[name]["losses"], ref)
+            assert np.allclose(r[name]["losses"], ref, atol=1e-5, rtol=0), (rank, name, r[name]["losses"], ref)
+            # one global norm, the same on every rank, clipped alike
+            assert np.allclose(r[name]["norms"], one["norms"], rtol=1e-5), (rank, name, r[name]["norms"])
             # tokens/s and MFU count the global batch's tokens and FLOPs once, not once per CP rank
             assert r[name]["counted"] == one["counted"] and one["counted"][0] == 4 * 16
-    for name in ("tp2cp2", "dp2cp2", "fsdp-dp2cp2", "fsdp-tp2cp2", "pp2cp2"):  # one global norm, clipped alike
-        assert np.allclose(ranks[0][name]["norms"], one["norms"], rtol=1e-5), (name, ranks[0][name]["norms"])
-        assert np.allclose(r["resumed"]["losses"], ref[2:], atol=1e-5, rtol=0), (r["resumed"], ref)
-        assert r["rng_kept"]
+        assert np.allclose(r["resumed"]["losses"], ref[2:], atol=1e-5, rtol=0), (rank, r["resumed"], ref)
+        assert np.allclose(r["resumed"]["norms"], one["norms"][2:], rtol=1e-5), (rank, r["resumed"])
+        assert r["rng_kept"], rank
     assert np.allclose(back["losses"], ref[2:], atol=1e-5, rtol=0), (back, ref)
 
 
@@ -122,3 +138,30 @@ def test_resolve_refuses_bad_cp_layouts():
                       "model.layers": 2})
     run = resolve(8, **{"parallel.cp": 2, "parallel.tp": 2, "model.attention_dropout": 0.0})
     assert (run.dp, run.dp_mode) == (2, "ddp")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _launch(tmp, nproc: int, *overrides: str) -> tuple[list[float], list[float]]:
+    """``seqpar train configs/tiny-cpu.yaml --nproc-per-node N`` for 3 steps: (printed losses, logged ones)."""
+    out = tmp / f"nproc{nproc}"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    argv = [sys.executable, "-m", "seqpar.cli", "train", str(ROOT / "configs/tiny-cpu.yaml"), "--nproc-per-node",
+            str(nproc), *overrides, "train.steps=3", "train.log_interval=1", "train.eval_interval=0",
+            "checkpoint.interval=0", f"out_dir={out}", f"checkpoint.dir={out / 'ckpt'}"]
+    run = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    printed = [float(x) for x in re.findall(r"^step +\d+/3 .*?\| loss ([0-9.]+) \|", run.stdout, re.M)]
+    logged = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return printed, logged
+
+
+def test_the_issue_command_trains_the_one_process_losses(tmp_path):
+    """Done means: `seqpar train configs/tiny-cpu.yaml --nproc-per-node 4 parallel.cp=2 parallel.tp=2`
+    trains the losses of `--nproc-per-node 1` (same seed and data) within 1e-4."""
+    one = _launch(tmp_path, 1, "parallel.tp=1")
+    cp = _launch(tmp_path, 4, "parallel.cp=2", "parallel.tp=2")
+    assert len(one[0]) == len(cp[0]) == len(one[1]) == len(cp[1]) == 3, (one, cp)
+    assert np.allclose(cp[1], one[1], atol=1e-4, rtol=0), (cp[1], one[1])
+    assert np.allclose(cp[0], one[0], atol=1e-4 + 1e-4, rtol=0), (cp[0], one[0])  # printed to 4 decimals

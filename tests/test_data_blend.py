@@ -131,3 +131,54 @@ def test_a_run_blends_text_and_tokens_with_held_out_tails_per_source(tmp_path):
                             + [f"checkpoint.dir={tmp_path / 'fresh'}"])
     with pytest.raises(DataError, match="were made with different tokenizers"):
         load_corpus(mixed, print)
+
+
+# ---- a blended run through the Trainer: resume exact, changed weights refused ------------------
+
+def _blend_trainer(tmp, ckpt: str, weights=(3, 1), steps=4, **changes):
+    a, b = tmp / "a.npy", tmp / "b.npy"
+    overrides = {"data.sources": f"[{{source: {a}, weight: {weights[0]}}}, {{source: {b}, weight: {weights[1]}}}]",
+                 "model.vocab_size": 200, "model.seq_len": S, "model.layers": 1, "model.hidden": 16,
+                 "model.heads": 2, "train.micro_batch": 2, "train.global_batch": 4, "train.steps": steps,
+                 "train.eval_interval": 0, "train.log_interval": 1, "train.seed": 5, "checkpoint.dir": tmp / ckpt,
+                 "checkpoint.interval": 2, "checkpoint.resume": "auto", "out_dir": tmp / f"{ckpt}-out", **changes}
+    return Trainer(load_run_config(None, [f"{k}={v}" for k, v in overrides.items()]), mesh=ParallelMesh.single())
+
+
+def _fit(trainer) -> list[float]:
+    try:
+        return trainer.fit()["losses"]
+    finally:
+        trainer.close()
+
+
+def test_a_blended_run_resumes_exactly_and_refuses_changed_weights(tmp_path):
+    from seqpar.checkpoint.errors import CheckpointMismatch
+
+    for name, part in zip(("a.npy", "b.npy"), _parts((3000, 2000))):
+        np.save(tmp_path / name, part)
+    whole = _fit(_blend_trainer(tmp_path, "whole"))
+    assert len(whole) == 4
+    assert len(_fit(_blend_trainer(tmp_path, "cut", steps=2))) == 2  # stops after its step-2 checkpoint
+    resumed = _fit(_blend_trainer(tmp_path, "cut"))
+    assert resumed == whole[2:], (resumed, whole)  # the same batches, weights, dropout masks
+    swapped = _blend_trainer(tmp_path, "cut", weights=(1, 3))
+    try:
+        with pytest.raises(CheckpointMismatch) as info:
+            swapped.resume()
+    finally:
+        swapped.close()
+    msg = str(info.value)
+    assert "\n" not in msg and "other data than data.sources gives" in msg, msg
+    assert f"the blend weights ({tmp_path / 'a.npy'} 0.75, {tmp_path / 'b.npy'} 0.25 -> {tmp_path / 'a.npy'} 0.25, " \
+           f"{tmp_path / 'b.npy'} 0.75)" in msg, msg
+    same = _blend_trainer(tmp_path, "cut", weights=(6, 2))  # the same shares: the same blend
+    try:
+        assert same.resume() == 4
+    finally:
+        same.close()
+    allowed = _blend_trainer(tmp_path, "cut", weights=(1, 3), **{"checkpoint.allow_data_change": True})
+    try:
+        assert allowed.resume() == 4
+    finally:
+        allowed.close()

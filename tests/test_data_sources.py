@@ -106,11 +106,17 @@ def test_a_folder_of_token_shards_is_one_stream(tmp_path):
     np.save(shards / "000.npy", parts[0].astype(np.uint16))
     parts[1].astype(np.uint16).tofile(shards / "001.bin")
     np.save(shards / "002.npy", parts[2].astype(np.int32))
-    (shards / "notes.md").write_text("not a shard")  # a text file beside them: a text folder
-    assert source_kind(shards) == "text"
-    (shards / "notes.md").unlink()
+    (shards / "README.md").write_text("# my shards")  # documentation beside them: skipped, not read as text
+    (shards / "LICENSE").write_text("MIT")
     assert source_kind(shards) == "shards"
-    corpus = prepare_corpus(shards, vocab_size=V, cache_dir=tmp_path / "cache", log=print)
+    (shards / "notes.txt").write_text("not a shard")  # any other text beside them: refused, naming both
+    with pytest.raises(DataError, match=r"mixes token shards \(3: 000.npy, 001.bin, 002.npy\) with text files "
+                                        r"\(1: notes.txt\); a folder holds one kind of data"):
+        source_kind(shards)
+    (shards / "notes.txt").unlink()
+    logs = []
+    corpus = prepare_corpus(shards, vocab_size=V, cache_dir=tmp_path / "cache", log=logs.append)
+    assert logs == [f"data: {str(shards)!r}: skipping README.md beside the data files"]
     assert np.asarray(corpus.tokens).tolist() == np.concatenate(parts).tolist() and len(corpus.tokens) == 87
     train, held = corpus.split(0.1)
     assert np.asarray(held).tolist() == np.concatenate(parts)[-8:].tolist() and len(train) == 79
@@ -171,6 +177,62 @@ def test_datasets_files_are_text_sources(tmp_path):
     again = open_corpus(tmp_path / "t.parquet", vocab_size=400, cache_dir=tmp_path / "cache", text_field="body",
                         tokenizer=tok, eot_id=tok.token_to_id("<|endoftext|>"))
     assert np.array_equal(np.asarray(again.tokens), np.asarray(corpus.tokens))
+
+
+def _decoded(source, tmp_path, tok=None, **kw):
+    """The text ``prepare_corpus`` reads from ``source`` (documents joined by end-of-text) and its tokenizer."""
+    from tokenizers import Tokenizer
+    corpus = prepare_corpus(source, vocab_size=400, cache_dir=tmp_path / "cache", tokenizer=tok,
+                            eot_id=None if tok is None else tok.token_to_id("<|endoftext|>"), **kw)
+    return corpus.decode(np.asarray(corpus.tokens)), tok or Tokenizer.from_str(corpus.tokenizer.to_str())
+
+
+def test_an_arrow_file_is_a_text_source(tmp_path):
+    pytest.importorskip("datasets")
+    import pyarrow as pa
+
+    rows = _records(tmp_path)
+    table = pa.table({"text": [r["text"] for r in rows], "n": list(range(len(rows)))})
+    with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)  # the Arrow IPC file format (.arrow, also what Feather v2 writes)
+    assert source_kind(tmp_path / "t.arrow") == "records"
+    text, _ = _decoded(tmp_path / "t.arrow", tmp_path, log=print)
+    assert text == "<|endoftext|>".join(r["text"] for r in rows)
+
+
+def test_datasets_folders_skip_their_documentation_and_refuse_other_text(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = _records(tmp_path)
+    want = "<|endoftext|>".join(r["text"] for r in rows)
+    (tmp_path / "jsonl" / "README.md").write_text("# dataset card\n" + "about this data " * 200)
+    (tmp_path / "jsonl" / "LICENSE.txt").write_text("Apache-2.0")
+    assert source_kind(tmp_path / "jsonl") == "records"
+    logs = []
+    text, tok = _decoded(tmp_path / "jsonl", tmp_path, log=logs.append)
+    assert text == want and "dataset card" not in text
+    assert logs[0] == f"data: {str(tmp_path / 'jsonl')!r}: skipping LICENSE.txt, README.md beside the data files"
+    run = tmp_path / "jsonl" / "runs"  # a run's own output inside its source: never part of it
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"text": "a loss line"}\n')
+    (run / "config.yaml").write_text("model: {}\n")
+    assert source_kind(tmp_path / "jsonl", exclude=[run]) == "records"
+    assert _decoded(tmp_path / "jsonl", tmp_path, tok, log=print, exclude=[run])[0] == want
+    # a Dataset.save_to_disk folder (state.json, dataset_info.json, *.arrow): its records, in order
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list(rows).save_to_disk(str(saved), num_shards=2)
+    assert {p.name for p in saved.iterdir()} >= {"state.json", "dataset_info.json", "data-00001-of-00002.arrow"}
+    assert source_kind(saved) == "records"
+    assert _decoded(saved, tmp_path, tok, log=print)[0] == want
+    (tmp_path / "jsonl" / "notes.txt").write_text("is this data?")
+    with pytest.raises(DataError, match=r"jsonl' mixes datasets files \(1: part.jsonl\) with text files \(1: "
+                                        r"notes.txt\); a folder holds one kind of data"):
+        prepare_corpus(tmp_path / "jsonl", vocab_size=400, cache_dir=tmp_path / "cache", log=print, exclude=[run])
+    both = tmp_path / "dict"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows)}
+                         ).save_to_disk(str(both))
+    with pytest.raises(DataError, match=r"is a DatasetDict saved with save_to_disk; name one of its splits "
+                                        r"\['test', 'train'\]"):
+        source_kind(both)
 
 
 def test_datasets_errors_name_the_file_and_the_field(tmp_path):

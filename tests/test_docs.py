@@ -150,7 +150,7 @@ def _is_placeholder(arg: str) -> bool:
 
 
 def config_problems(cmd: str, args: list[str]) -> list[str]:
-    """Configs named by train / memory / plan resolve; train's and import's overrides load."""
+    """Configs named by train / memory / plan resolve; the overrides of each (train, import: always) load."""
     from seqpar.config import load_run_config, resolve_config
 
     if cmd not in ("train", "memory", "plan", "import"):
@@ -158,7 +158,7 @@ def config_problems(cmd: str, args: list[str]) -> list[str]:
     flags_with_values = {"--nproc-per-node", "--max-restarts", "--gpus", "--gpu", "--tp", "--dp", "--png",
                          "--data-parallel", "--precision", "--top", "--layout", "--space", "--peak-tflops",
                          "--hbm-gib", "--nvlink-gbps", "--ib-gbps", "--micro-batch", "--max-gib", "--config",
-                         "--global-batch", "--gpus-per-node", "--dtype"}
+                         "--global-batch", "--gpus-per-node", "--dtype", "--cp", "--headroom"}
     positional, config_flag, skip = [], None, False
     for i, a in enumerate(args):
         if skip:
@@ -192,6 +192,12 @@ def config_problems(cmd: str, args: list[str]) -> list[str]:
             load_run_config(config, overrides)
         except Exception as e:  # noqa: BLE001 - the error is the finding
             bad.append(f"seqpar {cmd} {' '.join(args)}: {type(e).__name__}: {e}")
+    if cmd in ("memory", "plan") and overrides:
+        for name in (n for n in names if not _is_placeholder(n)):
+            try:
+                load_run_config(name, overrides)
+            except Exception as e:  # noqa: BLE001 - the error is the finding
+                bad.append(f"seqpar {cmd} {' '.join(args)}: {type(e).__name__}: {e}")
     return bad
 
 
@@ -335,3 +341,39 @@ def test_the_layout_page_lists_every_module_and_only_real_ones():
                if p.name != "__init__.py" or p.parent.name == "seqpar"}
     assert not modules - listed, f"modules missing from docs/layout.md: {sorted(modules - listed)}"
     assert not listed - modules, f"docs/layout.md lists modules that do not exist: {sorted(listed - modules)}"
+
+
+def documented_keys(text: str) -> set[str]:
+    """The config keys of a Markdown key table: the first cell's backticked names, each bare name
+    (`` `seq_len` ``) in the section of the dotted one before it (`` `model.vocab_size` ``)."""
+    keys, section = set(), ""
+    for line in text.splitlines():
+        if not line.startswith("| `"):
+            continue
+        for name in re.findall(r"`([\w.]+)`", line.split("|")[1]):
+            if "." in name:
+                section, _, name = name.rpartition(".")
+            elif name == "out_dir":
+                section = ""
+            keys.add(f"{section}.{name}" if section else name)
+    return keys
+
+
+def test_the_training_key_table_lists_every_config_key():
+    from seqpar.config import RunConfig, to_dict
+
+    schema = {f"{section}.{key}" if isinstance(value, dict) else section
+              for section, value in to_dict(RunConfig()).items() for key in (value if isinstance(value, dict) else [0])}
+    listed = documented_keys((ROOT / "docs" / "training.md").read_text())
+    assert not schema - listed, f"keys missing from docs/training.md's table: {sorted(schema - listed)}"
+    assert not listed - schema, f"docs/training.md's table names keys that do not exist: {sorted(listed - schema)}"
+
+
+def test_train_help_has_examples_that_run_as_written():
+    text = seqpar_help("train")
+    examples = [ln.strip() for ln in text.split("examples:", 1)[-1].splitlines() if ln.startswith("  ")]
+    assert any("parallel.cp=2" in e for e in examples) and any("data.tokenizer=" in e for e in examples), text
+    assert "docs/training.md" in text and (ROOT / "docs" / "training.md").is_file()
+    assert command_problems("```bash\n" + "\n".join(examples) + "\n```\n", {"train": text}) == []
+    option = seqpar_help("generate").rsplit("--tokens TOKENS", 1)[1]  # the option's help, not the usage line
+    assert ">= 1" in option.split("--", 1)[0]

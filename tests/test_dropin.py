@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 from distributed_harness import rel_err, run_ranks, tp_group_of  # noqa: E402
 from dropin_helpers import batch, gpt2, grads_of, llama, loss_of  # noqa: E402
 from gpt_helpers import mesh_for  # noqa: E402
+from seqpar.dropin import checkpoint_attention  # noqa: E402
 from seqpar import parallelize, plans  # noqa: E402
 from seqpar.distributed import sync_sp_replicated_grads  # noqa: E402
 from seqpar.dropin import (  # noqa: E402
@@ -174,11 +175,17 @@ def _graph_breaks(mesh):
     model = parallelize(gpt2(n_layer=1), plans.gpt2(), mesh)
     ids = batch()
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(model)(input_ids=ids, use_cache=False)  # logits: transformers' loss breaks
-    root = os.path.dirname(os.path.dirname(os.path.abspath(plans.__file__)))
-    inside = [f"{b.reason} at {f.filename}:{f.lineno}" for b in explained.break_reasons for f in b.user_stack
-              if os.path.abspath(f.filename).startswith(root + os.sep)]
-    return explained.graph_break_count, inside
+    root = os.path.dirname(os.path.abspath(seqpar.__file__))  # the package's own frames
+    out = []
+    for selective in (False, True):  # checkpoint_attention's recomputation traces too
+        if selective:
+            checkpoint_attention(model)
+        torch._dynamo.reset()
+        explained = torch._dynamo.explain(model)(input_ids=ids, use_cache=False)  # logits: transformers' loss breaks
+        inside = [f"{b.reason} at {f.filename}:{f.lineno}" for b in explained.break_reasons for f in b.user_stack
+                  if os.path.abspath(f.filename).startswith(root + os.sep)]
+        out.append((explained.graph_break_count, inside))
+    return out
 
 
 def _t2(rank, world, tmp):
@@ -246,16 +253,25 @@ def test_frozen_weights_buffers_and_wrong_groups(ranks):
 
 def test_no_graph_breaks_inside_seqpar_under_torch_compile(ranks):
     for r in ranks:
-        breaks, inside = r["compile"]
-        assert inside == [], inside
-        assert breaks == 0, breaks
+        for breaks, inside in r["compile"]:  # plain, then with checkpoint_attention
+            assert inside == [], inside
+            assert breaks == 0, breaks
 
 
 def test_import_seqpar_parallelize_gives_the_function():
-    code = ("import seqpar.parallelize, seqpar, inspect\n"
+    """Every import form works, and through real modules: nothing in sys.modules is an alias or a function."""
+    code = ("import seqpar.parallelize, seqpar, inspect, sys, types\n"
             "import seqpar.parallelize as p\n"
             "assert p is seqpar.parallelize and inspect.isfunction(p), p\n"
-            "assert 'plan' in inspect.signature(seqpar.parallelize).parameters\n")
+            "assert 'plan' in inspect.signature(seqpar.parallelize).parameters\n"
+            "from seqpar.parallelize import Plan, Style, parallelize\n"
+            "assert parallelize is p and Plan.__name__ == 'Plan' and Style.__name__ == 'Style'\n"
+            "import seqpar.plans\n"
+            "from seqpar.plans import gpt2, llama\n"
+            "assert seqpar.plans.gpt2 is gpt2 and isinstance(gpt2(), Plan)\n"
+            "bad = {k: v for k, v in sys.modules.items() if k.startswith('seqpar')\n"
+            "       and not (isinstance(v, types.ModuleType) and v.__name__ == k)}\n"
+            "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

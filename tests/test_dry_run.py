@@ -89,7 +89,7 @@ def test_a_rank_that_builds_the_whole_model_fails(monkeypatch):
 
 def test_a_missing_collective_fails(monkeypatch, capsys):
     # pipeline stages that forget to average their gradients over dp (only the clip's norm goes over dp)
-    monkeypatch.setattr(pipeline, "all_reduce_coalesced", lambda tensors, group, mean=False: None)
+    monkeypatch.setattr(pipeline, "all_reduce_coalesced", lambda tensors, group, **kwargs: None)
     code = cli.main(["train", "--dry-run", "--world", "8", "--device", "cpu", *TINY, "parallel.pp=2"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1  # one line: the problems of both default ranks

@@ -20,14 +20,10 @@ SETTINGS = {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "mo
 LAYOUTS = {"t2p2": {"parallel.pp": 2}, "t2dp2_fsdp": {"parallel.data_parallel": "fsdp"}}
 
 
-def _overrides(tmp: Path, layout: str) -> list[str]:
-    return run_overrides(tmp / layout, {**SETTINGS, **LAYOUTS[layout]})
-
-
 def _real_step(rank, world, tmp):
     out = {}
     for layout in LAYOUTS:
-        cfg = load_run_config(None, _overrides(Path(tmp), layout))
+        cfg = load_run_config(None, run_overrides(Path(tmp) / layout, {**SETTINGS, **LAYOUTS[layout]}))
         trainer = Trainer(cfg, mesh=init_parallel(tp=2, pp=cfg.parallel.pp))
         try:
             with record_step(trainer.engine.module, step_group_names(trainer.mesh, trainer.engine)) as comm:
@@ -42,7 +38,8 @@ def test_the_dry_run_measures_what_the_real_run_measures(spawn, tmp_path):
     real = spawn(_real_step, 4, str(tmp_path))
     for layout, ranks, needed in (("t2p2", [0, 2], {("pp", "send"), ("pp", "recv")}),
                                   ("t2dp2_fsdp", [0], {("dp", "all_gather"), ("dp", "reduce_scatter")})):
-        results = dry_run(load_run_config(None, _overrides(tmp_path, layout)), 4, device="cpu")
+        cfg = load_run_config(None, run_overrides(tmp_path / layout, {**SETTINGS, **LAYOUTS[layout]}))
+        results = dry_run(cfg, 4, device="cpu")
         assert [r.rank for _, r, _ in results] == ranks  # the first rank of the first and of the last stage
         for _, r, check in results:
             ref = real[r.rank][layout]

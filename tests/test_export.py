@@ -135,6 +135,29 @@ def test_import_then_resume_generate_and_export_back(tmp_path, kind):
     assert samples["dense"].getvalue() == samples["ckpt"].getvalue() and "def x" in samples["dense"].getvalue()
 
 
+def test_export_force_replaces_an_earlier_export_of_either_format(tmp_path, capsys):
+    model, _ = _checkpoint(tmp_path, GPT2)
+    ckpt, out = str(tmp_path / "ckpt"), tmp_path / "out"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert seqpar(["export", ckpt, str(out)]) == 0
+    assert seqpar(["export", ckpt, str(out), "--format", "safetensors"]) == 2  # holds files: refused
+    assert "--force" in capsys.readouterr().err
+    (out / "tokenizer.json").write_text("{}")  # another checkpoint's, left by an earlier export
+    (out / "notes.txt").write_text("mine")  # not an export's file: kept
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert seqpar(["export", ckpt, str(out), "--format", "safetensors", "--force"]) == 0
+    assert {p.name for p in out.iterdir()} == {"config.yaml", "model.safetensors", "notes.txt"}
+    from safetensors.torch import load_file
+    assert set(load_file(str(out / "model.safetensors"))) == set(model.dense_state_dict())
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert seqpar(["export", ckpt, str(out), "--force"]) == 0  # and back to Hugging Face's format
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "notes.txt"}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        got = hf.eval()(input_ids=_ids()).logits
+    assert (got - _logits(model)).abs().max() <= 1e-5 * _logits(model).abs().max()
+
+
 def test_refusals(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"no Hugging Face family has this model: \{'norm': 'rmsnorm', 'position': "
                                          r"'learned'"):

@@ -1,6 +1,7 @@
 """Bad values are refused where they enter, naming the offending value; faults during training
 (SIGTERM on one rank, non-finite gradients or weights) are handled by every rank together."""
 import contextlib
+import dataclasses
 import io
 import json
 import math
@@ -86,7 +87,7 @@ def _faults(rank, world, tmp):
         except FloatingPointError as e:
             out["stop"] = str(e)
         out["stop_kept_weights"] = all(torch.equal(a, p) for a, p in zip(before, params))
-        trainer.tc.nonfinite_grads = "skip"
+        trainer.tc = dataclasses.replace(trainer.tc, nonfinite_grads="skip")  # the resolved run is read-only
         m = trainer.train_step(1)
         out["skip"] = (m.skipped, math.isnan(m.grad_norm), trainer.history["skipped"])
         out["skip_kept_weights"] = all(torch.equal(a, p) for a, p in zip(before, params))

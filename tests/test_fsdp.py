@@ -17,21 +17,16 @@ from seqpar.sharding import local_tensor, sp_replicated_parameters
 from seqpar.train import Trainer
 from seqpar.checkpoint import complete_checkpoints
 
-from run_helpers import run_overrides
+from run_helpers import SHARDED_RUN, run_overrides
 
 STEPS = 20
 
 
-def _overrides(tmp: Path, **extra) -> list[str]:
-    return run_overrides(tmp, {"model.vocab_size": 64, "model.vocab_multiple": 3, "model.seq_len": 16, "model.hidden": 16,
-           "model.heads": 4, "model.layers": 2, "model.dropout": 0.0, "model.attention_dropout": 0.0,
-           "model.sequence_parallel": True, "model.recompute": "selective", "model.tie_embeddings": False,
-           "train.steps": STEPS, "train.micro_batch": 2, "train.global_batch": 8, "train.warmup_steps": 2,
-           "train.eval_interval": 0, "train.seed": 3, "train.precision": "fp32"}, **extra)
+RUN = {**SHARDED_RUN, "model.layers": 2, "train.steps": STEPS, "train.eval_interval": 0}
 
 
 def _trainer(tmp: Path, tp: int, **extra) -> Trainer:
-    return Trainer(load_run_config(None, _overrides(tmp, parallel__tp=tp, **extra)), mesh=init_parallel(tp=tp))
+    return Trainer(load_run_config(None, run_overrides(tmp, RUN, parallel__tp=tp, **extra)), mesh=init_parallel(tp=tp))
 
 
 def _curve(trainer: Trainer, steps: int) -> list[tuple[float, float]]:
@@ -97,7 +92,7 @@ def test_fsdp_trains_like_ddp_and_one_rank_with_half_the_state(spawn, tmp_path):
     # every rank reports the same losses
     assert all(r["fsdp"] == r0["fsdp"] for r in res)
     # state: measured on the tensors, fsdp about half of ddp at dp=2, equal to the formula
-    cfg = load_run_config(None, _overrides(tmp_path, parallel__tp=2)).model
+    cfg = load_run_config(None, run_overrides(tmp_path, RUN, parallel__tp=2)).model
     for mode in ("ddp", "fsdp"):
         measured = r0["state"][mode]
         formula = state_bytes_formula(cfg, t=2, dp=2, data_parallel=mode)

@@ -41,7 +41,8 @@ def test_cpu_smoke_run_lists_every_check_with_pass():
     asserted += [f"sdpa attention dropout {p} under selective recompute" for p in (0.1, 0.125)]
     asserted += ["resume at 10 (dropout 0.1): steps 11-12 vs uninterrupted", "bf16-autocast vs fp32",
                  "trainer prints its activation and state lines"]
-    asserted += [f"2 ranks (gloo): {case} vs t=1" for case in ("t=2 SP", "dp=2 DDP", "dp=2 FSDP2", "pp=2")]
+    asserted += [f"2 ranks (gloo): {case} vs t=1" for case in ("t=2 SP", "dp=2 DDP", "dp=2 FSDP2", "pp=2",
+                                                               "cp=2 all-gather", "cp=2 ring", "t=2 SP tp_overlap")]
     asserted += [f"2 ranks (gloo): t=2 SP dropout 0.1, recompute {m} vs none" for m in ("selective", "full")]
     asserted += ["2 ranks (gloo): SP dropout streams per TP rank"]
     for prefix in asserted:
@@ -52,7 +53,9 @@ def test_cpu_smoke_run_lists_every_check_with_pass():
         assert table[f"throughput {mode}"] == "INFO", table
     assert _results(table, "throughput selective / none (tiny CPU run") == ["INFO"], table
     for gpu_only in ("resume a CUDA checkpoint on the CPU", "host syncs in a non-logging step",
-                     "trainer memory line per logging step", "pp=2 step time, chunk timing off / on"):
+                     "trainer memory line per logging step", "pp=2 step time, chunk timing off / on",
+                     "2 ranks (gloo): t=2 SP compiled vs t=1, 4 steps fp32",
+                     "2 ranks (gloo): dp=2 FSDP2 compiled vs t=1, 4 steps fp32"):
         assert table[gpu_only] == "SKIP", (gpu_only, table)
     assert _results(table, "async save() returns / sync save (tiny CPU model") == ["INFO"], table
     assert "FAIL" not in table.values()

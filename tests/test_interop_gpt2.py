@@ -12,11 +12,11 @@ from seqpar.distributed.collectives import all_gather_dim  # noqa: E402
 from seqpar.interop.gpt2 import from_hf, to_hf  # noqa: E402
 from seqpar.model import GPT  # noqa: E402
 
-B, S = 2, 16
+B, S, V = 2, 16, 64
 
 
 def hf_gpt2(seed=0, **kw):
-    cfg = dict(vocab_size=64, n_positions=S, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
+    cfg = dict(vocab_size=V, n_positions=S, n_embd=32, n_layer=2, n_head=4, bos_token_id=0, eos_token_id=0,
                attn_implementation="eager")
     cfg.update(kw)
     torch.manual_seed(seed)
@@ -25,17 +25,13 @@ def hf_gpt2(seed=0, **kw):
     return model
 
 
-def batch():
-    return shifted_batch(64, B, S)
-
-
 def seqpar_run(hf, group, **overrides):
     """seqpar's GPT loaded from ``hf``: full logits (gathered over TP), loss and dense gradients."""
     config, state = from_hf(hf, **overrides)
     model = GPT(config, mesh_for(group))
     model.load_dense_state_dict(state)
     model.eval()
-    ids, labels = batch()
+    ids, labels = shifted_batch(V, B, S)
     with torch.no_grad():
         logits = all_gather_dim(model(ids), group, -1)  # [b, s, v/t] -> [b, s, v]
     loss, grads = loss_and_dense_grads(model, ids, labels)
@@ -58,7 +54,8 @@ def check(result, reference, what):
 
 
 def test_converted_gpt2_matches_at_t1_and_t2(spawn):
-    refs = {tied: hf_reference(hf_gpt2(tie_word_embeddings=tied), batch()[0], from_hf) for tied in (True, False)}
+    refs = {tied: hf_reference(hf_gpt2(tie_word_embeddings=tied), shifted_batch(V, B, S)[0], from_hf)
+            for tied in (True, False)}
     check(seqpar_run(hf_gpt2(), None, sequence_parallel=False), refs[True], "t=1")
     check(seqpar_run(hf_gpt2(tie_word_embeddings=False), None), refs[False], "t=1 untied")
     for rank, r in enumerate(spawn(_t2, 2)):
@@ -73,7 +70,7 @@ def test_round_trips():
     assert back.lm_head.weight is back.transformer.wte.weight
     config, _ = from_hf(hf, recompute="none")
     gpt = GPT(config, seed=4).eval()  # a seqpar-initialised model goes to transformers unchanged
-    ids, labels = batch()
+    ids, labels = shifted_batch(V, B, S)
     out = to_hf(config, gpt.dense_state_dict(), attn_implementation="eager").eval()(
         input_ids=ids, labels=ids, use_cache=False)
     assert rel_err(out.logits, gpt(ids)) <= 1e-5 and rel_err(out.loss, gpt(ids, labels)) <= 1e-5

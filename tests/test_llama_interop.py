@@ -31,10 +31,6 @@ def hf_llama(variant: str, seed: int = 0):
     return model
 
 
-def batch():
-    return shifted_batch(V, B, S)
-
-
 def _compare(rank, world):
     out = {}
     for t in (1, 2):
@@ -45,11 +41,11 @@ def _compare(rank, world):
             model = GPT(config, mesh_for(group))
             model.load_dense_state_dict(state)
             model.eval()
-            ids, labels = batch()
+            ids, labels = shifted_batch(V, B, S)
             with torch.no_grad():
                 logits = all_gather_dim(model(ids), group, -1)[..., :V]  # [b, s, v_pad/t] -> [b, s, v]
             loss, grads = loss_and_dense_grads(model, ids, labels)
-            out[(t, variant)] = (logits, loss, grads, hf_reference(hf, batch()[0], from_hf))
+            out[(t, variant)] = (logits, loss, grads, hf_reference(hf, shifted_batch(V, B, S)[0], from_hf))
     return out
 
 
@@ -74,7 +70,7 @@ def test_round_trips(variant):
     theirs = hf.state_dict()
     assert set(back.state_dict()) == set(theirs)
     assert all(torch.equal(w, theirs[n]) for n, w in back.state_dict().items())
-    ids, _ = batch()
+    ids, _ = shifted_batch(V, B, S)
     assert torch.equal(back(input_ids=ids).logits, hf(input_ids=ids).logits)
     # seqpar -> HF -> seqpar: the dense state dict and the model config survive
     model = GPT(config, seed=3)

@@ -8,20 +8,15 @@ from seqpar import init_parallel
 from seqpar.config import load_run_config
 from seqpar.train import Trainer
 
-from run_helpers import run_overrides
+from run_helpers import SHARDED_RUN, run_overrides
 
 
-def _overrides(tmp: Path, **extra) -> list[str]:
-    return run_overrides(tmp, {"model.vocab_size": 64, "model.vocab_multiple": 3, "model.seq_len": 16, "model.hidden": 16,
-           "model.heads": 4, "model.layers": 4, "model.dropout": 0.0, "model.attention_dropout": 0.0,
-           "model.sequence_parallel": True, "model.recompute": "selective", "model.tie_embeddings": False,
-           "train.steps": 6, "train.micro_batch": 2, "train.global_batch": 8, "train.warmup_steps": 2,
-           "train.eval_interval": 5, "train.eval_batches": 2, "train.seed": 3, "train.precision": "fp32",
-           "checkpoint.resume": "auto"}, **extra)
+RUN = {**SHARDED_RUN, "model.layers": 4, "train.steps": 6, "train.eval_interval": 5, "train.eval_batches": 2,
+       "checkpoint.resume": "auto"}
 
 
 def _run(tmp: Path, tp: int, pp: int, save_at: int | None = None, **extra) -> dict:
-    trainer = Trainer(load_run_config(None, _overrides(tmp, parallel__tp=tp, parallel__pp=pp, **extra)),
+    trainer = Trainer(load_run_config(None, run_overrides(tmp, RUN, parallel__tp=tp, parallel__pp=pp, **extra)),
                       mesh=init_parallel(tp=tp, pp=pp))
     out = {"losses": [], "accum": trainer.accum, "micro_batch": trainer.tc.micro_batch}
     try:

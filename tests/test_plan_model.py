@@ -72,6 +72,28 @@ def test_state_bytes_and_fsdp_sharding():
     assert sharded.parts["state_during_step"] > 0  # the gathered units
 
 
+def test_the_backward_transient_is_composed_from_the_memory_formulas():
+    """seqpar.memory holds the transient's formula and the cp [c, c] block; the planner adds them."""
+    from seqpar.memory.transient import backward_transient_bytes, context_block_bytes
+    from seqpar.plan.memory import per_layer_activations
+
+    per = {"none": 100.0, "selective": 60.0, "full": 10.0}
+    assert backward_transient_bytes(per) == 100
+    assert backward_transient_bytes(per, selective=True) == 140  # the attention terms rebuilt
+    assert backward_transient_bytes(per, unit_layers=3, selective=True) == 400  # a 3-layer unit rebuilt
+    assert context_block_bytes(heads=16, seq_len=2048, micro_batch=2, t=2, cp=1) == 0
+    assert context_block_bytes(heads=16, seq_len=2048, micro_batch=2, t=2, cp=4) == 3 * 4 * 2 * 8 * 256 ** 2
+    model = GPTConfig(vocab_size=51200, seq_len=2048, hidden=2048, heads=16, layers=24, attention_dropout=0.0)
+    for rc, unit, sel in ((Recompute("none"), 0, False), (Recompute("selective"), 0, True),
+                          (Recompute("full", "uniform", 2), 2, False), (Recompute("full", "block", 3), 1, False)):
+        for cp in (1, 4):
+            layout = Layout(tp=2, pp=1, dp=1, micro_batch=2, recompute=rc, cp=cp)
+            per = per_layer_activations(model, layout)
+            want = backward_transient_bytes(per, unit_layers=unit, selective=sel) + context_block_bytes(
+                heads=16, seq_len=2048, micro_batch=2, t=2, cp=cp)
+            assert memory_per_gpu(model, layout, A100.hbm_bytes, 8).parts["backward_transient"] == want, (rc, cp)
+
+
 def test_first_stage_in_flight_is_the_papers_interleave_factor():
     for p, m in ((8, 3), (35, 3), (64, 1), (4, 2)):
         layout = Layout(tp=8, pp=p, dp=1, virtual_stages=m)

@@ -102,6 +102,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "train.log_interval": st.integers(1, 10**4), "train.eval_interval": st.integers(0, 10**4),
     "train.eval_batches": st.integers(1, 1000), "train.threads_per_rank": st.integers(1, 256),
     "train.memory_budget_gib": st.none() | _floats(0.0, 1e6, exclude_min=True),
+    "train.compile": st.sampled_from([True, False, "auto"]),
     "checkpoint.dir": TEXT, "checkpoint.interval": st.integers(0, 10**6), "checkpoint.keep": st.integers(1, 1000),
     "out_dir": TEXT,
 }
@@ -130,6 +131,12 @@ def valid_values(draw) -> dict[str, Any]:
         values["train.memory_budget_gib"] = 80.0  # auto chooses under a budget
     if values.get("data.sources"):
         values.pop("data.source", None)  # a blend or one source, not both
+    if values.get("parallel.tp_overlap"):
+        values["model.sequence_parallel"] = True  # the overlap is of SP's collectives
+    if values.get("train.compile") is True:  # compiled blocks: no cp, no sdpa attention dropout
+        values["parallel.cp"] = 1
+        if values.get("model.attention") == "sdpa":
+            values["model.attention_dropout"] = 0.0
     modes = values.get("model.recompute_layers")
     if modes is not None:  # one mode per layer
         layers = values.get("model.layers", 12)
@@ -164,6 +171,7 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy] = {
     "train.beta1": NEG | st.floats(min_value=1.0) | NONFINITE, "train.beta2": NEG | st.floats(min_value=1.0) | NONFINITE,
     "train.weight_decay": NEG | NONFINITE, "train.grad_clip": NEG | NONFINITE,
     "train.memory_budget_gib": st.floats(max_value=0.0) | NONFINITE,
+    "train.compile": st.sampled_from(["yes", "on", 1]),
     "model.recompute_layers": st.lists(st.sampled_from(["none", "selective", "full"]), max_size=11),  # layers = 12
     "checkpoint.interval": BELOW[0], "checkpoint.keep": BELOW[1],
 }

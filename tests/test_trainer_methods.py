@@ -18,15 +18,14 @@ from seqpar.train import StepMetrics, Trainer
 from seqpar.train.metrics import Throughput
 from seqpar.train.optim import lr_at
 
-from run_helpers import random_tokens, run_overrides
+from run_helpers import TINY_MODEL, random_tokens, run_overrides
 
 
-def _overrides(tmp) -> list[str]:
-    return run_overrides(tmp, {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 2, "model.layers": 1,
-           "model.dropout": 0.1, "model.attention_dropout": 0.1, "model.sequence_parallel": True,
-           "model.recompute": "selective", "parallel.tp": 2, "train.steps": 10, "train.micro_batch": 2,
-           "train.global_batch": 4, "train.warmup_steps": 2, "train.eval_interval": 100, "train.eval_batches": 1,
-           "train.seed": 3, "checkpoint.resume": "auto"})
+# two TP ranks with dropout on: the methods' results must agree across ranks all the same
+RUN = {**TINY_MODEL, "model.heads": 2, "model.layers": 1, "model.dropout": 0.1, "model.attention_dropout": 0.1,
+       "model.sequence_parallel": True, "model.recompute": "selective", "parallel.tp": 2, "train.steps": 10,
+       "train.micro_batch": 2, "train.global_batch": 4, "train.warmup_steps": 2, "train.eval_interval": 100,
+       "train.eval_batches": 1, "train.seed": 3, "checkpoint.resume": "auto"}
 
 
 def _exercise(rank, world, overrides):
@@ -59,7 +58,7 @@ def _exercise(rank, world, overrides):
 
 
 def test_trainer_methods(spawn, tmp_path):
-    r0, r1 = spawn(_exercise, 2, _overrides(tmp_path))
+    r0, r1 = spawn(_exercise, 2, run_overrides(tmp_path, RUN))
     assert r0 == r1, "every method's result is identical on all ranks"
     assert r0["fresh_start"] == 0
     for step, m in enumerate(r0["steps"]):
@@ -91,10 +90,11 @@ def test_throughput_window_means_the_steps_since_the_last_report():
 # ---- a step's data: one global batch, however it is split --------------------------------------
 
 def _split_overrides(tmp, micro_batch: int, dp: int) -> list[str]:
-    return run_overrides(tmp, {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 2, "model.layers": 1,
-           "model.dropout": 0.0, "model.attention_dropout": 0.0, "model.sequence_parallel": False,
-           "model.recompute": "none", "train.steps": 5, "train.micro_batch": micro_batch, "train.global_batch": 8,
-           "train.lr": 3e-3, "train.warmup_steps": 2, "train.eval_interval": 0, "train.seed": 11},
+    return run_overrides(tmp, {**TINY_MODEL, "model.heads": 2, "model.layers": 1, "model.dropout": 0.0,
+                               "model.attention_dropout": 0.0, "model.sequence_parallel": False,
+                               "model.recompute": "none", "train.steps": 5, "train.micro_batch": micro_batch,
+                               "train.global_batch": 8, "train.lr": 3e-3, "train.warmup_steps": 2,
+                               "train.eval_interval": 0, "train.seed": 11},
                          tokens=tmp / "tokens.npy", out=f"out-{micro_batch}x{dp}")
 
 

@@ -1,6 +1,6 @@
 """``seqpar bench``: seqpar vs Megatron-LM core vs PyTorch DTensor TP, measured in one run.
 
-    seqpar bench [--systems seqpar,megatron-core,dtensor] [--recompute none,selective,full]
+    seqpar bench [--systems seqpar,seqpar-overlap,seqpar-compiled,megatron-core,dtensor] [--recompute none,selective,full]
                  [--tp 2] [--seq 256 --hidden 256 --heads 8 --layers 2 --micro-batch 2 --vocab 1024]
                  [--repeats 10 --warmup 2] [--scaling] [--out bench-results]
 
@@ -28,7 +28,7 @@ from .runner import PEERS, run_spawned
 def _parse(argv):
     p = argparse.ArgumentParser(prog="seqpar bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", default="seqpar,megatron-core,dtensor")
+    p.add_argument("--systems", default="seqpar,seqpar-overlap,seqpar-compiled,megatron-core,dtensor")
     p.add_argument("--recompute", default="none,selective,full")
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--seq", type=int, default=256)
@@ -54,15 +54,29 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
-def comparison_table(results: list[dict], shape: BenchShape) -> str:
+def gemm_bound_s(recompute: str, shape: BenchShape, t: int, gemm_flops: float) -> float:
+    """Seconds one rank's step would take if it only ran its share of the model and recompute FLOPs
+    at this machine's measured GEMM rate (the limit a step can approach)."""
+    b, s, h, L, v = shape.micro_batch, shape.seq_len, shape.hidden, shape.layers, shape.vocab_size
+    work = flops.model_flops(B=b, s=s, h=h, L=L, v=v)
+    if recompute == "selective":
+        work += L * flops.attention_core_forward_flops(B=b, s=s, h=h)
+    elif recompute == "full":
+        work += L * flops.layer_forward_flops(B=b, s=s, h=h)
+    return work / t / gemm_flops
+
+
+def comparison_table(results: list[dict], shape: BenchShape, t: int = 1, gemm_flops: float | None = None) -> str:
     tokens = shape.micro_batch * shape.seq_len
     base = {r["recompute"]: r["median"] for r in results if r["system"] == "seqpar"}
     saved_base = {r["recompute"]: r["saved_bytes_per_layer"] for r in results if r["system"] == "seqpar"}
-    lines = ["| system | recompute | median ms / step | vs seqpar | tokens/s | saved MiB / layer | vs seqpar | "
-             "step-0 loss |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| system | recompute | median ms / step | vs seqpar | x GEMM-bound | tokens/s | saved MiB / layer | "
+             "vs seqpar | step-0 loss |", "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
+        bound = (f"{r['median'] / gemm_bound_s(r['recompute'], shape, t, gemm_flops):.2f}x" if gemm_flops
+                 else "-")
         lines.append(f"| {r['system']} | {r['recompute']} | {r['median'] * 1e3:.1f} | "
-                     f"{r['median'] / base[r['recompute']]:.2f}x | {tokens / r['median']:,.0f} | "
+                     f"{r['median'] / base[r['recompute']]:.2f}x | {bound} | {tokens / r['median']:,.0f} | "
                      f"{_mib(r['saved_bytes_per_layer'])} | "
                      f"{r['saved_bytes_per_layer'] / saved_base[r['recompute']]:.2f}x | {r['step0_loss']:.6f} |")
     return "\n".join(lines)
@@ -135,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"seqpar bench: t={args.tp}, sequence parallel, {shape}\nmachine: {machine}", flush=True)
     data = run_spawned(shape, args.systems, args.recompute, tp=args.tp, repeats=args.repeats, warmup=args.warmup)
     report = {"shape": shape.__dict__, "tp": args.tp, "machine": machine, **data}
-    print("\n" + comparison_table(data["results"], shape))
+    print(f"\nmeasured GEMM rate per rank: {data['gemm_flops'] / 1e9:.1f} GFLOP/s (fp32, [b s, h] x [h, 4h/t])")
+    print("\n" + comparison_table(data["results"], shape, args.tp, data["gemm_flops"]))
     print("\nseqpar communication per training step (forward + backward):\n" + comm_table(data["comm"], args.tp))
     print("\nrecompute overhead:\n" + overhead_table(data["results"], shape))
     if args.scaling:

@@ -25,6 +25,8 @@ COLLECTIVE_TIMEOUT_S = 300  # a rank stuck in a collective fails the run instead
 
 PEERS = {
     "seqpar": "seqpar.bench.seqpar_peer:SeqparPeer",
+    "seqpar-overlap": "seqpar.bench.seqpar_peer:OverlapPeer",
+    "seqpar-compiled": "seqpar.bench.seqpar_peer:CompiledPeer",
     "megatron-core": "seqpar.bench.megatron_peer:MegatronPeer",
     "dtensor": "seqpar.bench.dtensor_peer:DTensorPeer",
 }
@@ -97,7 +99,22 @@ def measure(shape: BenchShape, systems: list[str], recomputes: list[str], *, rep
         if rank == 0 and i >= warmup:
             log(f"  round {i - warmup + 1}/{repeats}: " +
                 ", ".join(f"{r.system}/{r.recompute} {r.times[-1] * 1e3:.0f} ms" for _, r in configs))
-    return {"results": [asdict(r) | {"median": r.median} for _, r in configs], "comm": comm}
+    return {"results": [asdict(r) | {"median": r.median} for _, r in configs], "comm": comm,
+            "gemm_flops": gemm_rate(shape, t)}
+
+
+def gemm_rate(shape: BenchShape, t: int, repeats: int = 20) -> float:
+    """This rank's measured fp32 GEMM rate (FLOP/s) at the step's largest GEMM, ``[b s, h] x
+    [h, 4h/t]``, all ranks at once as in the step (median of ``repeats``)."""
+    a = torch.randn(shape.micro_batch * shape.seq_len, shape.hidden)
+    w = torch.randn(shape.hidden, 4 * shape.hidden // t)
+    times = []
+    for _ in range(repeats + 2):
+        dist.barrier()
+        t0 = time.perf_counter()
+        torch.mm(a, w)
+        times.append(time.perf_counter() - t0)
+    return 2 * a.shape[0] * a.shape[1] * w.shape[1] / statistics.median(times[2:])
 
 
 def _rank_measure(rank: int, world: int, shape: BenchShape, systems: list[str], recomputes: list[str],

@@ -39,3 +39,28 @@ class SeqparPeer:
         del loss
         per_layer = ledger.per_layer()
         return sum(per_layer.values()) / len(per_layer)
+
+
+class OverlapPeer(SeqparPeer):
+    """seqpar with ``parallel.tp_overlap``: SP gathers and reduce-scatters in per-rank chunks under the GEMMs."""
+    name = "seqpar-overlap"
+
+    def build(self, *args, **kwargs):
+        super().build(*args, **kwargs)
+        from ..parallel.tp_overlap import apply_tp_overlap
+        apply_tp_overlap(self.model, True)
+
+
+class CompiledPeer(SeqparPeer):
+    """seqpar with ``train.compile``: every block compiled by Inductor (compiled at the step-0 call)."""
+    name = "seqpar-compiled"
+
+    def build(self, *args, **kwargs):
+        super().build(*args, **kwargs)
+        from ..parallel.compile import compile_blocks
+        compile_blocks(self.model)
+
+    def saved_bytes_per_layer(self, tokens, labels) -> float:
+        self.model(tokens, labels).backward()  # compile first (no optimizer step): the ledger reads the graphs' saves
+        self.model.zero_grad(set_to_none=True)
+        return super().saved_bytes_per_layer(tokens, labels)

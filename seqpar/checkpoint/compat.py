@@ -8,9 +8,11 @@ rotary positions (a learned position table has ``seq_len`` rows). Sections other
 data is compared as below. A refusal lists every changed key with its saved and new value.
 
 Data. Checkpoints record a :func:`data_identity`: the number of tokens, a CRC-32 of up to 64
-evenly spread 4096-token blocks of the token stream, and a SHA-256 of the tokenizer's model
-(vocabulary, merges, normalizer, pre-tokenizer, added tokens). A different token stream or
-tokenizer (including a tokenizer where there was none) is refused unless
+evenly spread 4096-token blocks of the token stream, a SHA-256 of the tokenizer's model
+(vocabulary, merges, normalizer, pre-tokenizer, added tokens) and, for a blend, each source with
+its normalised weight (the joined stream is the same whatever the weights draw from it). A
+different token stream, tokenizer (including a tokenizer where there was none) or blend weights
+are refused unless
 ``checkpoint.allow_data_change: true`` says the change is intended (fine-tuning on new data).
 The source's path is not compared: the same tokens moved to another path are the same data.
 Checkpoints written without an identity (``seqpar import``, older versions) are compared by their
@@ -22,7 +24,7 @@ import hashlib
 import json
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -48,17 +50,25 @@ def _tokenizer_digest(text: str) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
 
 
-def data_identity(tokens: np.ndarray, tokenizer: Any = None) -> dict:
+def data_identity(tokens: np.ndarray, tokenizer: Any = None,
+                  blend: Sequence[tuple[str, float]] | None = None) -> dict:
     """What a checkpoint records of its training data: token count, a sampled CRC-32 of the
-    token stream (``_BLOCKS`` blocks of ``_BLOCK`` ids, read from the memmap; cheap for any size)
-    and the tokenizer's digest (``tokenizer``: a ``tokenizers.Tokenizer`` or ``None``)."""
+    token stream (``_BLOCKS`` blocks of ``_BLOCK`` ids, read from the memmap; cheap for any size),
+    the tokenizer's digest (``tokenizer``: a ``tokenizers.Tokenizer`` or ``None``) and the blend
+    (``(source, weight)`` pairs, weights normalised here; ``None`` for one source)."""
     n = int(len(tokens))
     crc = zlib.crc32(str(np.dtype(tokens.dtype)).encode())
     last = max(n - _BLOCK, 0)
     for i in sorted({(last * k) // (_BLOCKS - 1) for k in range(_BLOCKS)}):
         crc = zlib.crc32(np.ascontiguousarray(tokens[i:i + _BLOCK]).astype(np.int64).tobytes(), crc)
+    total = sum(w for _, w in blend) if blend else 0.0
     return {"tokens": n, "sample_crc32": f"{crc:08x}",
-            "tokenizer": None if tokenizer is None else _tokenizer_digest(tokenizer.to_str())}
+            "tokenizer": None if tokenizer is None else _tokenizer_digest(tokenizer.to_str()),
+            "blend": [{"source": str(s), "weight": round(w / total, 6)} for s, w in blend] if blend else None}
+
+
+def _blend_text(blend: list[dict] | None) -> str:
+    return "one source" if not blend else ", ".join(f"{b['source']} {b['weight']:g}" for b in blend)
 
 
 def _saved_model(folder: Path) -> GPTConfig:
@@ -91,6 +101,9 @@ def data_changes(saved: dict | None, new: dict | None, saved_tokenizer: str | No
     if (saved.get("tokens"), saved.get("sample_crc32")) != (new.get("tokens"), new.get("sample_crc32")):
         out.append(f"the token stream ({saved.get('tokens')} tokens, sample crc32 {saved.get('sample_crc32')} -> "
                    f"{new.get('tokens')} tokens, {new.get('sample_crc32')})")
+    weights = lambda d: [b["weight"] for b in d.get("blend") or []]  # noqa: E731
+    if "blend" in saved and weights(saved) != weights(new):  # the source paths may move, as for one source
+        out.append(f"the blend weights ({_blend_text(saved['blend'])} -> {_blend_text(new.get('blend'))})")
     if saved.get("tokenizer") != new.get("tokenizer"):
         what = lambda d: "none" if d is None else d[:12]  # noqa: E731
         out.append(f"a different tokenizer ({what(saved.get('tokenizer'))} -> {what(new.get('tokenizer'))}), "
@@ -116,9 +129,10 @@ def check_compatible(folder: str | Path, config: RunConfig, data: dict | None, e
     except (OSError, ValueError) as e:
         raise CheckpointCorrupt(f"{tok} is unreadable ({type(e).__name__})") from None
     if changed:
-        raise CheckpointMismatch(f"checkpoint {folder} was trained on other data than data.source="
-                                 f"{config.data.source!r} gives: {'; '.join(changed)}. Use the original data, or "
-                                 f"set checkpoint.allow_data_change=true if the change is intended")
+        given = "data.sources" if config.data.sources else f"data.source={config.data.source!r}"
+        raise CheckpointMismatch(f"checkpoint {folder} was trained on other data than {given} gives: "
+                                 f"{'; '.join(changed)}. Use the original data, or set "
+                                 f"checkpoint.allow_data_change=true if the change is intended")
 
 
 __all__ = ["MODEL_KEYS", "RUNTIME_KEYS", "check_compatible", "data_changes", "data_identity", "model_changes"]

@@ -69,18 +69,25 @@ def rank_prefix() -> str:
 def report_user_error(prog: str, exc: BaseException, *, quiet: bool = False) -> int:
     """Print ``prog: [rank R: ]message`` to stderr (unless ``quiet``) and hand the line to torchrun's
     error file when there is one (so ``seqpar train --nproc-per-node`` can print it once, and plain
-    torchrun shows it in its summary). Returns :data:`EXIT_USER_ERROR`."""
+    torchrun shows it in its summary). Returns :data:`EXIT_USER_ERROR`.
+
+    Under torchrun the first rank to exit makes the agent SIGTERM the others; a rank that has
+    reported its error ignores that signal from then on, so it finishes shutting down and exits 2,
+    not -15 (torchrun still SIGKILLs a rank that does not exit within its grace period)."""
     line = f"{prog}: {rank_prefix()}{one_line(exc)}"
     if not quiet:
         print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file:
         import json
+        import signal
         import time
         try:
             Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
         except OSError:
             pass
+        # ignored, not handled: a Python handler is reset during interpreter shutdown, SIG_IGN is kept
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return EXIT_USER_ERROR
 
 

@@ -286,14 +286,15 @@ def load(cls: type[T], path: str | Path | None, overrides: Iterable[str] = ()) -
 
 
 def load_sections(path: str | Path, sections: Mapping[str, type],
-                  required: Mapping[str, Iterable[str]] | None = None) -> dict[str, Any]:
-    """Build each named top-level section of YAML file ``path`` as its dataclass; others are ignored.
+                  required: Mapping[str, Iterable[str]] | None = None, overrides: Iterable[str] = ()) -> dict[str, Any]:
+    """Build each named top-level section of YAML file ``path`` (with ``key=value`` ``overrides`` on
+    top) as its dataclass; others are ignored.
 
     ``load_sections(p, {"model": GPTConfig})`` checks every key of ``model:`` as :func:`from_dict`
     does; ``required={"model": ["hidden"]}`` also refuses a file that leaves ``model.hidden`` to
-    the default. Errors name the path and the dotted key.
+    the default (an override sets it too). Errors name the path and the dotted key.
     """
-    data = read_yaml(path)
+    data = merge(read_yaml(path), parse_overrides(overrides))
     for section, keys in (required or {}).items():
         if section not in data:
             raise ConfigError(f"{path}: missing config key {section!r} (a mapping with {list(keys)})")

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Iterable, Literal
 
 from ..distributed.context import CP_COMMS, CPComm, check_context_layout
-from ..model.config import GPTConfig
+from ..model.config import Freezable, GPTConfig
 from ..model.modes import DATA_PARALLEL_MODES, PRECISION_SETTINGS, DataParallelMode, PrecisionSetting
 from . import loader
 from .shipped import resolve_config
@@ -48,7 +48,7 @@ def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
 
 
 @dataclass
-class ParallelConfig:
+class ParallelConfig(Freezable):
     tp: int = 1                  # tensor-parallel size t (one node's GPUs on a cluster)
     dp: int | None = None        # data-parallel size; None = world size / (pp x cp x tp)
     pp: int = 1                  # pipeline stages p (outermost: each stage is dp x tp consecutive ranks)
@@ -61,8 +61,8 @@ class ParallelConfig:
     # fsdp: free the gathered parameters after each block's forward and gather them again for its
     # backward (ZeRO-3-like, least memory) or keep them until backward (ZeRO-2-like, fewer gathers)
     reshard_after_forward: bool = True
-    # ddp with the bf16 recipe: the fp32 gradients are all-reduced over dp in buckets of about this
-    # many MiB, each launched as soon as backward has produced all of its gradients
+    # ddp: gradients are all-reduced over dp (x cp) in buckets of about this many MiB, each launched
+    # as soon as backward has produced all of its gradients (the bf16 recipe's fp32 buckets, or DDP's)
     bucket_mib: float = 25.0
     # pipeline schedule: None = "1F1B" when virtual_stages is 1, else "Interleaved1F1B"; "GPipe"
     # (all forwards, then all backwards) for comparison
@@ -72,6 +72,10 @@ class ParallelConfig:
     # ("allgather") or by a ring of point-to-point steps overlapped with the blocks ("ring")
     cp: int = 1
     cp_comm: CPComm = "allgather"
+    # sequence parallelism's all-gather before each column-parallel GEMM and reduce-scatter after
+    # each row-parallel GEMM cut into per-rank chunks, each transfer under another chunk's GEMM
+    # (forward and backward; PyTorch's async-TP kernels on CUDA + NCCL); same results and bytes
+    tp_overlap: bool = False
 
     def validate(self) -> None:
         check_choice("parallel.cp_comm", self.cp_comm, CP_COMMS)
@@ -93,13 +97,13 @@ class ParallelConfig:
 
 
 @dataclass
-class BlendSource:
+class BlendSource(Freezable):
     source: str                  # any data.source form (text, datasets files, token files, Megatron)
     weight: float = 1.0          # share of the sequences drawn from it (normalised over the blend)
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Freezable):
     source: str | None = None    # text file or folder, datasets file(s) (.jsonl/.parquet/.arrow), token file
     #                              (.bin/.npy) or folder of shards, Megatron prefix (.bin+.idx); None = Python's stdlib
     sources: list[BlendSource] = field(default_factory=list)  # a blend [{source, weight}, ...] instead of source
@@ -130,7 +134,7 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Freezable):
     steps: int = 200
     micro_batch: int = 8         # sequences per rank per micro-step
     global_batch: int | None = None  # sequences per optimizer step; None = micro_batch * dp (no accumulation)
@@ -152,6 +156,9 @@ class TrainConfig:
     # a step whose gradients hold NaN/inf: "stop" the run naming the step, or "skip" the optimizer
     # step (weights untouched) and count it
     nonfinite_grads: Literal["stop", "skip"] = "stop"
+    # compile each transformer block (torch.compile, fullgraph): true | false | auto (on for CUDA,
+    # off for the CPU, where compiled blocks measured no faster: docs/benchmarks.md)
+    compile: bool | Literal["auto"] = "auto"
     # GiB per GPU that model.recompute: auto must fit (state, activations and the planner's
     # workspace allowance, seqpar.plan.memory); None = no budget
     memory_budget_gib: float | None = None
@@ -170,12 +177,13 @@ class TrainConfig:
             check_number(f"train.{name}", getattr(self, name), rule)
         check_choice("train.precision", self.precision, PRECISION_SETTINGS)
         check_choice("train.nonfinite_grads", self.nonfinite_grads, ("stop", "skip"))
+        check_choice("train.compile", self.compile, (True, False, "auto"))
         if self.memory_budget_gib is not None:
             check_number("train.memory_budget_gib", self.memory_budget_gib, "> 0")
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(Freezable):
     dir: str = "runs/checkpoints"
     interval: int = 100          # save every N steps (and at the end); 0 = only at the end
     keep: int = 2                # newest checkpoints kept
@@ -197,7 +205,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class RunConfig:
+class RunConfig(Freezable):
     model: GPTConfig = field(default_factory=GPTConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -216,6 +224,15 @@ class RunConfig:
         self._validate_pipeline()
         self.model.check_parallel(self.parallel.tp)
         self._validate_context()
+        if self.train.compile is True and self.parallel.cp > 1:
+            raise ValueError(f"train.compile=true supports parallel.cp = 1 only (got cp={self.parallel.cp}): "
+                             f"set train.compile=auto or false (auto runs context parallelism eagerly)")
+        if self.train.compile is True and self.model.attention == "sdpa" and self.model.attention_dropout > 0:
+            raise ValueError(f"train.compile=true with model.attention=sdpa needs model.attention_dropout=0 (got "
+                             f"{self.model.attention_dropout}); use model.attention=math, or train.compile=auto")
+        if self.parallel.tp_overlap and not self.model.sequence_parallel:
+            raise ValueError("parallel.tp_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter "
+                             "with the GEMMs; it needs model.sequence_parallel=true")
 
     def _validate_context(self) -> None:
         """Context parallelism: the sequence into 2*cp chunks (over t under SP); what cp does not

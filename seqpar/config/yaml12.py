@@ -42,6 +42,17 @@ class Dumper(yaml.SafeDumper):
     yaml_implicit_resolvers: dict = {}
 
 
+_BREAKS = ("\x85", "\u2028", "\u2029")  # line breaks to YAML: a quoted scalar would fold them to a space
+
+
+def _represent_str(dumper: Dumper, text: str) -> yaml.ScalarNode:
+    if any(b in text for b in _BREAKS):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", text, style='"')  # escaped, read back exactly
+    return yaml.SafeDumper.represent_str(dumper, text)
+
+
+Dumper.add_representer(str, _represent_str)
+
 for _tag, _pattern, _first in _CORE_RESOLVERS:
     Loader.add_implicit_resolver(_tag, re.compile(_pattern), _first)
     Dumper.add_implicit_resolver(_tag, re.compile(_pattern), _first)

@@ -1,6 +1,7 @@
 """Training data: documents -> tokenizer -> a verified token cache -> each step's batches.
 
     corpus.py     sources (text, datasets files, token files and folders, Megatron datasets), ``Corpus``
+    kinds.py      what a source is, a data folder's side files (README, licence, metadata) skipped
     text.py       a text source's documents in pieces another process can read
     records.py    Hugging Face datasets files (jsonl, parquet, arrow) as text (the ``data`` extra)
     tokenizer.py  tokenizers users bring (data.tokenizer, a checkpoint's), their end-of-text id

@@ -6,10 +6,13 @@ Corpus sources (``source`` argument):
 * ``None``: the Python standard library's own ``.py`` files (no download), sorted by path.
 * a text file, or a directory searched recursively for common text extensions (sorted).
 * Hugging Face ``datasets`` files (``.jsonl``, ``.parquet``, ``.arrow``; a file or a folder of
-  them, no text files beside): each record's ``text_field`` is a document (:mod:`.records`).
+  them, or a ``Dataset.save_to_disk`` folder): each record's ``text_field`` is a document (:mod:`.records`).
 * a token file (``.npy``, or raw ``.bin`` of ``uint16``/``uint32`` ids), a folder of such shards,
   or a Megatron indexed dataset (``prefix`` with ``prefix.bin`` + ``prefix.idx``), used in place
   (:mod:`.tokens`).
+
+A folder of data files skips the README, licence and metadata files beside them and refuses any
+other mix (:mod:`.kinds`).
 
 Text sources are capped at ``max_bytes`` (datasets files are not), tokenised with ``tokenizer``
 when given, else with a BPE trained on them, and cached under ``cache_dir/corpus-<fingerprint>/``
@@ -49,16 +52,14 @@ from .cache import EOT, Log, cache_problem, locked
 from .shards import encode_shards, finish_cache, start_cache
 from .text import Document, TextInput, file_input
 from .errors import DataError
+from .kinds import TEXT_SUFFIXES, classify, resolved, source_kind, walk_text
 from .records import record_files, record_input
 from .tokenizer import tokenizer_digest
-from .tokens import TOKEN_SUFFIXES, indexed_prefix, joined, map_ids, open_indexed, open_shards, shard_files
+from .tokens import indexed_prefix, joined, map_ids, open_indexed, open_shards
 
 MIN_VOCAB = 257  # 256 byte tokens + the end-of-text token
 DEFAULT_MAX_BYTES = 8_000_000
-TEXT_SUFFIXES = frozenset(".py .txt .md .rst .tex .c .h .cc .cpp .hpp .rs .go .js .ts .java .html .css .json "
-                          ".yaml .yml .toml .cfg .ini .csv .sh".split())
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"})
-_SIDE_FILES = frozenset({"meta.json", "tokenizer.json"})  # beside token shards, not text
 _FORMAT = 1  # bump to invalidate every cache entry
 
 
@@ -71,29 +72,20 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("SEQPAR_CACHE") or "~/.cache/seqpar").expanduser()
 
 
-def _walk(root: Path, skip: frozenset[str], excluded: frozenset[Path]) -> list[Path]:
-    found = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d not in skip and not d.startswith(".")
-                       and Path(dirpath, d).resolve() not in excluded]
-        found += [Path(dirpath, f) for f in filenames if Path(f).suffix.lower() in TEXT_SUFFIXES]
-    return sorted(found)
-
-
 def list_documents(source: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES,
                    exclude: Iterable[str | Path] = ()) -> list[Document]:
     """Text files of ``source`` in sorted order, keeping a prefix of at most ``max_bytes`` bytes;
     folders in ``exclude`` (and everything under them) are skipped."""
     if max_bytes <= 0:
         raise DataError(f"max_bytes must be positive, got {max_bytes}")
-    excluded = frozenset(Path(p).expanduser().resolve() for p in exclude)
+    excluded = resolved(exclude)
     if source is None:
         root = Path(sysconfig.get_paths()["stdlib"])
-        paths = [p for p in _walk(root, _SKIP_DIRS, excluded) if p.suffix == ".py"]
+        paths = [p for p in walk_text(root, _SKIP_DIRS, excluded) if p.suffix == ".py"]
     else:
         root = Path(source)
         if root.is_dir():
-            paths = _walk(root, frozenset({"__pycache__"}), excluded)
+            paths = walk_text(root, frozenset({"__pycache__"}), excluded)
         elif root.is_file():
             paths = [root]
         else:
@@ -110,31 +102,6 @@ def list_documents(source: str | Path | None, max_bytes: int = DEFAULT_MAX_BYTES
         raise DataError(f"corpus source {str(root)!r} holds no non-empty text files "
                         f"(extensions: {sorted(TEXT_SUFFIXES)})")
     return docs
-
-
-def source_kind(source: str | Path | None) -> str:
-    """``text``, ``records`` (datasets files), ``tokens`` (one file), ``shards`` (a folder of token
-    files) or ``indexed`` (Megatron): how :func:`prepare_corpus` reads ``source``."""
-    if source is None:
-        return "text"
-    path = Path(source).expanduser()
-    if indexed_prefix(path) is not None:
-        return "indexed"
-    if path.suffix.lower() in TOKEN_SUFFIXES:
-        return "tokens"
-    if path.is_dir():
-        top = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
-        texts = [p for p in top if p.suffix.lower() in TEXT_SUFFIXES and p.name not in _SIDE_FILES]
-        if any(p.suffix.lower() == ".idx" for p in top):
-            raise DataError(f"data.source={str(source)!r} is a folder of Megatron indexed datasets; name one "
-                            f"prefix (data.source=PREFIX) or blend them (data.sources)")
-        if shard_files(path) and not texts:
-            return "shards"
-        if record_files(path) and not _walk(path, frozenset({"__pycache__"}), frozenset()):
-            return "records"
-    elif record_files(path):
-        return "records"
-    return "text"
 
 
 def fingerprint(docs: Sequence[Document], vocab_size: int, max_bytes: int, tokenizer: str | None = None) -> str:
@@ -161,12 +128,13 @@ class TextPlan:
 def _text_plan(source, vocab_size: int, base: Path, max_bytes: int, exclude, tokenizer: Tokenizer | None,
                eot_id: int | None, text_field: str) -> TextPlan:
     given = f"{tokenizer_digest(tokenizer)}:{eot_id}" if tokenizer is not None else None
-    if source_kind(source) == "records":  # a verified cache needs no datasets package
-        files = record_files(Path(source).expanduser())
+    skip = (*exclude, base)
+    if source_kind(source, skip) == "records":  # a verified cache needs no datasets package
+        files = record_files(Path(source).expanduser(), resolved(skip))
         docs = [Document(p.resolve(), p.stat().st_size, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
         fp = fingerprint(docs, vocab_size, 0, f"{given}:{text_field}")
         return TextPlan(base / f"corpus-{fp[:16]}", fp, lambda: record_input(files, text_field, base / "datasets"))
-    docs = list_documents(source, max_bytes, exclude=(*exclude, base))
+    docs = list_documents(source, max_bytes, exclude=skip)
     fp = fingerprint(docs, vocab_size, max_bytes, given)
     capped = source is not None and sum(d.nbytes for d in docs) >= max_bytes
     return TextPlan(base / f"corpus-{fp[:16]}", fp, lambda: file_input(docs), capped)
@@ -186,10 +154,13 @@ def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_d
     that still match their records. Token sources are only checked and opened. ``exclude``:
     folders inside ``source`` that are not corpus.
     """
-    if source_kind(source) not in ("text", "records"):
-        return open_corpus(source, vocab_size=vocab_size, tokenizer=tokenizer, eot_id=eot_id)
-    _check_vocab(vocab_size)
     base = _cache_base(cache_dir)
+    kind, side = classify(source, (*exclude, base))
+    if side:
+        log(f"data: {str(source)!r}: skipping {', '.join(p.name for p in side)} beside the data files")
+    if kind not in ("text", "records"):
+        return _open_tokens(Path(source), kind, vocab_size, tokenizer, eot_id)
+    _check_vocab(vocab_size)
     plan = _text_plan(source, vocab_size, base, max_bytes, exclude, tokenizer, eot_id, text_field)
     if plan.capped:
         log(f"data: reading only the first {max_bytes:,} bytes of {str(source)!r} (data.max_bytes); "
@@ -225,7 +196,7 @@ def open_corpus(source: str | Path | None = None, *, vocab_size: int, cache_dir:
                 max_bytes: int = DEFAULT_MAX_BYTES, exclude: Iterable[str | Path] = (),
                 tokenizer: Tokenizer | None = None, eot_id: int | None = None, text_field: str = "text") -> Corpus:
     """Open an already prepared corpus read-only (no training, no writes, no lock), verified first."""
-    kind = source_kind(source)
+    kind = source_kind(source, (*exclude, _cache_base(cache_dir)))
     if kind in ("tokens", "shards", "indexed"):  # any vocabulary larger than the ids they hold
         return _open_tokens(Path(source), kind, vocab_size, tokenizer, eot_id)
     _check_vocab(vocab_size)

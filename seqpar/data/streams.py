@@ -10,7 +10,8 @@ from tokenizers import Tokenizer
 from ..config import RunConfig
 from .batches import Batch, TokenBatches, eval_batches
 from .blend import BlendBatches, Joined
-from .corpus import Corpus, prepare_corpus, source_kind
+from .corpus import Corpus, default_cache_dir, prepare_corpus
+from .kinds import source_kind
 from .errors import DataError, TokenizerError
 from .tokenizer import ORIGIN_FILE, check_fits, checkpoint_tokenizer, find_eot, load_tokenizer, tokenizer_digest
 
@@ -47,7 +48,8 @@ def load_corpus(cfg: RunConfig, log: Callable[[str], None]) -> Corpus:
     collective that has one. The run's output and checkpoint folders are never part of a corpus."""
     dc, mc = cfg.data, cfg.model
     sources = [part.source for part in dc.sources] or [dc.source]
-    texts = [s for s in sources if source_kind(s) in ("text", "records")]
+    skip = (cfg.out_dir, cfg.checkpoint.dir, dc.cache_dir or default_cache_dir())  # never part of a corpus
+    texts = [s for s in sources if source_kind(s, skip) in ("text", "records")]
     tok, eot, where = run_tokenizer(cfg, bool(texts))
     if where is not None and texts:
         log(f"data: text is encoded with the tokenizer {where}")

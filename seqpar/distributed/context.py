@@ -67,19 +67,24 @@ def split_for_context(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> t
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """What attention needs to exchange K/V: the cp group, its size and this rank's place, and
-    the exchange (``"allgather"`` or ``"ring"``). ``size == 1``: no context parallelism."""
+    """What attention needs to exchange K/V: the cp group, its size and this rank's place, the
+    exchange (``"allgather"`` or ``"ring"``) and the kernel its blocks run on (``model.attention``:
+    ``"math"``, or ``"sdpa"`` for PyTorch's fused kernels where they return the log-sum-exp).
+    ``size == 1``: no context parallelism."""
 
     group: ProcessGroup | None
     size: int
     rank: int
     comm: CPComm = "allgather"
+    kernel: str = "math"
 
     @classmethod
-    def of(cls, group: ProcessGroup | None, comm: CPComm = "allgather") -> "ContextParallel":
+    def of(cls, group: ProcessGroup | None, comm: CPComm = "allgather", kernel: str = "math") -> "ContextParallel":
         if comm not in CP_COMMS:
             raise ValueError(f"parallel.cp_comm must be one of {list(CP_COMMS)}, got {comm!r}")
-        return cls(group, group_size(group), group_rank(group), comm)
+        if kernel not in ("math", "sdpa"):
+            raise ValueError(f"model.attention must be 'math' or 'sdpa', got {kernel!r}")
+        return cls(group, group_size(group), group_rank(group), comm, kernel)
 
     def peer(self, offset: int) -> int:
         """Global rank of the CP rank ``offset`` steps along the ring from this one."""

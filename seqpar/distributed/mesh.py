@@ -62,6 +62,16 @@ class ParallelMesh:
         return self.device_mesh["dp", "cp"]._flatten("dp_cp")
 
     @property
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
+        """The process group over this rank's dp x cp ranks (``dp_group`` when cp = 1; ``None`` when
+        dp x cp = 1): the ranks whose gradients are summed over cp and averaged over dp, at once."""
+        if self.cp_size == 1:
+            return self.dp_group
+        if self.dp_size == 1:
+            return self.cp_group
+        return self.dp_cp_mesh.get_group()
+
+    @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
 

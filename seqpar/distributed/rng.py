@@ -8,7 +8,10 @@ Two named streams live in an :class:`RNGStreams` object owned by the model (no g
   probabilities of different heads, sequence shards under SP) must draw different masks.
 
 ``fork(name)`` swaps the stream's state into the device's default generator for the
-duration of a block, so plain ``torch`` dropout ops draw from it.
+duration of a block, so plain ``torch`` dropout ops draw from it. ``dropout(x, p, name)`` is the
+same draw as one custom operator, ``seqpar::stream_dropout(x, p, state) -> (y, mask, state')``: a
+pure function of the stream's state, so ``torch.compile`` traces it without a graph break and a
+recomputation that replays it with the saved state draws the same mask, eager or compiled.
 
 A CPU generator's state (5,056 bytes of Mersenne twister) means nothing to a CUDA generator
 (Philox seed and offset) and the other way round, so :meth:`RNGStreams.get_state` records the
@@ -72,6 +75,52 @@ def _seeded_state(device: torch.device, seed: int) -> torch.Tensor:
     return gen.get_state()
 
 
+def _swap_in(device: torch.device, state: torch.Tensor) -> torch.Tensor:
+    saved = _get_device_state(device)
+    _set_device_state(device, state)
+    return saved
+
+
+def _draw(x: torch.Tensor, p: float, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``torch.native_dropout(x, p, True)`` drawn from generator state ``state``: returns the output,
+    the 1-byte keep mask and the generator's state after the draw. The device's default generator
+    is left as it was."""
+    saved = _swap_in(x.device, state)
+    try:
+        y, mask = torch.native_dropout(x, p, True)
+        after = _get_device_state(x.device)
+    finally:
+        _set_device_state(x.device, saved)
+    return y, mask, after
+
+
+def _fake(x, p, state):
+    return torch.empty_like(x), torch.empty_like(x, dtype=torch.bool), torch.empty_like(state)
+
+
+def _setup(ctx, inputs, output):
+    ctx.scale = 1.0 / (1.0 - inputs[1])
+    ctx.save_for_backward(output[1])  # the mask only, as native_dropout keeps
+
+
+def _backward(ctx, grad_y, grad_mask, grad_state):
+    (mask,) = ctx.saved_tensors
+    return torch.ops.aten.native_dropout_backward(grad_y, mask, ctx.scale), None, None
+
+
+def _register(name: str):
+    op = torch.library.custom_op(f"seqpar::{name}", mutates_args=())(_draw)
+    op.register_fake(_fake)
+    op.register_autograd(_backward, setup_context=_setup)
+    return op
+
+
+# the same draw under two names, so a selective-recompute policy can tell the attention core's
+# dropout (recomputed) from the residual and embedding dropouts (kept)
+stream_dropout = _register("stream_dropout")
+core_dropout = _register("core_dropout")
+
+
 class RNGStreams:
     """Named generator states for dropout; see the module docstring.
 
@@ -119,6 +168,23 @@ class RNGStreams:
         finally:
             self.states[name] = _get_device_state(self.device)
             _set_device_state(self.device, saved)
+
+    def dropout(self, x: torch.Tensor, p: float, name: str = "tp", *, core: bool = False) -> torch.Tensor:
+        """``x`` with dropout ``p`` (training mode) drawn from stream ``name``; keeps a 1-byte mask.
+        Traceable by ``torch.compile`` (see the module docstring); call :meth:`materialize` before
+        compiling, since seeding the streams creates generators. ``core``: the attention core's
+        dropout (``seqpar::core_dropout``, the op selective recompute replays)."""
+        if name not in self.states:
+            raise ValueError(f"unknown RNG stream {name!r}; known: {sorted(self.states)}")
+        self._drawn = True
+        op = torch.ops.seqpar.core_dropout if core else torch.ops.seqpar.stream_dropout
+        y, _, self.states[name] = op(x, p, self.states[name])
+        return y
+
+    def materialize(self) -> "RNGStreams":
+        """Seed the streams now (they are otherwise seeded at their first draw)."""
+        _ = self.states
+        return self
 
     def get_state(self) -> dict:
         """Each stream's generator state, and under ``"device_type"`` the device type they belong to."""

@@ -1,17 +1,16 @@
 """Tensor + sequence parallelism and selective recomputation for models seqpar did not build.
 
     spec.py             Plan and Style (what to do), Parallelized (what was done: ``model.seqpar``)
-    tensor_parallel.py  ``parallelize`` (published as ``seqpar.parallelize``): swap a model's
+    tensor_parallel.py  ``parallelize`` (imported as ``seqpar.parallelize``): swap a model's
                         modules for seqpar layers by a declarative plan
     modes.py            sequence parallelism on / off on a parallelized model (``set_sequence_parallel``),
                         region and gradient hooks; ``check_groups`` for hand-converted layers
     state_dict.py       ``dense_state_dict`` / ``load_dense_state_dict``: the original layout, gathered
     pretrained.py       ``save_pretrained`` / ``load_pretrained`` for Hugging Face models
     wrappers.py         ``unwrap``: the model inside ``torch.compile`` / DDP wrappers
-    plans.py            ready plans for HF GPT-2 and Llama (published as ``seqpar.plans``)
     attention.py        ``checkpoint_attention``: RNG-exact recompute of HF attention cores
 
-Import everything but ``parallelize`` and the ready plans from here.
+Import everything but ``parallelize`` and the ready plans (:mod:`seqpar.plans`) from here.
 """
 from .attention import checkpoint_attention
 from .modes import check_groups, set_sequence_parallel

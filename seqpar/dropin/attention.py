@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from ..distributed.rng import RNGStreams
 from ..model import GPT
-from ..recompute import checkpoint
+from ..recompute import checkpoint, recompute_region
 from .wrappers import unwrap
 
 PREFIX = "seqpar_selective"
@@ -72,11 +72,24 @@ def _selective(impl: str) -> Callable:
             with streams.fork("tp"):  # this rank's heads draw their own masks
                 return base(module, q, k, v, attention_mask, **kwargs)[0]
 
+        if torch.compiler.is_compiling():  # the RNG capture cannot be traced: a policy region instead
+            return _compiled_core(module, base, streams, attention_mask, kwargs, query, key, value), None
         # attention probabilities are exactly what is not kept: none are returned
         return checkpoint(core, query, key, value, streams=streams), None
 
     attention.__qualname__ = f"{PREFIX}_{impl}"
     return attention
+
+
+def _compiled_core(module, base, streams, mask, kwargs, query, key, value) -> torch.Tensor:
+    """Under torch.compile: the core in a region recomputed whole in backward (only q, k, v kept).
+    Swapping a stream into the default generator cannot be traced, so attention dropout with
+    seqpar streams is refused there; without streams it draws from torch's default generator."""
+    if streams is not None and module.training and kwargs.get("dropout", 0.0) > 0:
+        raise ValueError("checkpoint_attention(streams=...) with attention dropout cannot run under torch.compile "
+                         "(the per-rank stream swap is not traceable); set the attention dropout to 0 or "
+                         "compile without streams")
+    return recompute_region(lambda q, k, v: base(module, q, k, v, mask, **kwargs)[0], query, key, value)
 
 
 _WRAPPERS = {impl: _selective(impl) for impl in IMPLS}

@@ -21,6 +21,9 @@ from ..checkpoint.safetensors import write_safetensors
 from ..model.config import DTYPES, GPTConfig
 
 Loader = Callable[[str], torch.Tensor]
+# every file an export of either format writes; a folder holds one export, so after writing one the
+# others (left by an earlier export, in the other format or from a checkpoint with a tokenizer) go
+EXPORT_FILES = ("config.json", "config.yaml", "model.safetensors", "tokenizer.json")
 
 
 def family_of(config: GPTConfig) -> str:
@@ -117,9 +120,26 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str | None = None)
     cfg.dtype = target
     cfg.save_pretrained(out)
     write_safetensors(out / "model.safetensors", header, hf_stream(config, load))
-    if (path / "tokenizer.json").is_file():
-        shutil.copyfile(path / "tokenizer.json", out / "tokenizer.json")
+    _drop_stale(out, {"config.json", "model.safetensors"} | _copy_tokenizer(path, out))
     return out
+
+
+def _copy_tokenizer(checkpoint: Path, out: Path) -> set[str]:
+    """The checkpoint's ``tokenizer.json`` into ``out``; the names written."""
+    if not (checkpoint / "tokenizer.json").is_file():
+        return set()
+    shutil.copyfile(checkpoint / "tokenizer.json", out / "tokenizer.json")
+    return {"tokenizer.json"}
+
+
+def _drop_stale(out: Path, written: set[str]) -> None:
+    """Remove the :data:`EXPORT_FILES` this export did not write (an earlier export's, replaced by
+    ``--force``): a stale ``config.json`` beside seqpar's names, ``config.yaml`` beside Hugging
+    Face's, or a tokenizer of another checkpoint would make the folder load as the wrong thing.
+    Other files are left alone."""
+    for name in EXPORT_FILES:
+        if name not in written:
+            (out / name).unlink(missing_ok=True)
 
 
 def export_safetensors(checkpoint: str | Path, out: str | Path, dtype: str | None = None) -> Path:
@@ -134,8 +154,7 @@ def export_safetensors(checkpoint: str | Path, out: str | Path, dtype: str | Non
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / "model.safetensors", header, ((n, load(n).to(target[n])) for n in entries))
     shutil.copyfile(path / "config.yaml", out / "config.yaml")
-    if (path / "tokenizer.json").is_file():
-        shutil.copyfile(path / "tokenizer.json", out / "tokenizer.json")
+    _drop_stale(out, {"config.yaml", "model.safetensors"} | _copy_tokenizer(path, out))
     return out
 
 
@@ -145,7 +164,8 @@ def _check_out(out: Path, force: bool) -> None:
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a folder; choose another output folder")
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise UserError(f"{out} already holds files; pass --force to write into it (files replaced)")
+        raise UserError(f"{out} already holds files; pass --force to write into it (an earlier export "
+                        f"replaced)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="hf: a Hugging Face transformers folder (default); safetensors: seqpar's dense names")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="tensor dtype in the export (default: the checkpoint's)")
-    p.add_argument("--force", action="store_true", help="write into OUT even when it already holds files")
+    p.add_argument("--force", action="store_true", help="write into OUT even when it already holds files: "
+                   "an earlier export there, of either format, is replaced (its files removed); other files stay")
     args = p.parse_args(argv)
     _check_out(Path(args.out), args.force)
     out = (export_hf if args.format == "hf" else export_safetensors)(args.checkpoint, args.out, args.dtype)

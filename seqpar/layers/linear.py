@@ -10,6 +10,10 @@ ranks in ``tp_group``:
   or ``[s/t, b, in]`` sequence shard (SP); output ``[s, b, out/t]``.
 * ``RowParallelLinear``: weight ``[out, in/t]``. Input ``[s, b, in/t]``; output ``[s, b, out]``
   all-reduced (plain TP) or ``[s/t, b, out]`` reduce-scattered (SP). Bias after the reduction.
+
+``tp_overlap=True`` (SP only; ``parallel.tp_overlap``, :func:`seqpar.parallel.apply_tp_overlap`):
+the all-gather and the reduce-scatter cut into per-rank chunks, each transfer under another
+chunk's GEMM, forward and backward (:mod:`seqpar.layers.overlap`); same results, bytes and saved tensors.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from ..distributed.grad_sync import replica_grad_sum
 from ..distributed.regions import gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, split_to_tp
 from ..sharding import REPLICATED, SP_REPLICATED, ParamLayout, shard, unshard
 from ._init import InitMethod, build_param, default_linear_init, skip_init
+from .overlap import all_gather_linear, linear_reduce_scatter
 
 
 def _gather_seq(x, group, seq_dim, async_op):
@@ -104,39 +109,63 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
         return grad_input, grad_weight, grad_bias, None, None, None
 
 
+def _overlapped(sequence_parallel: bool, tp_overlap: bool) -> bool:
+    """Whether SP's collectives run chunk by chunk under the GEMMs (:mod:`seqpar.layers.overlap`).
+    Compiled graphs take the plain collectives (the compiler schedules, and on CUDA may fuse, them)."""
+    return sequence_parallel and tp_overlap and not torch.compiler.is_compiling()
+
+
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                            tp_group: ProcessGroup | None, sequence_parallel: bool = False,
-                           seq_dim: int = 0) -> torch.Tensor:
+                           seq_dim: int = 0, tp_overlap: bool = False) -> torch.Tensor:
     """``x [s, b, in]`` (replicated) or ``[s/t, b, in]`` (SP shard) times this rank's output rows
     ``weight [out/t, in]`` -> ``[s, b, out/t]``. Under SP the all-gather (g) is fused into the matmul
-    and only the shard is kept for backward; plain TP all-reduces the input gradient (f)."""
+    and only the shard is kept for backward; plain TP all-reduces the input gradient (f).
+    ``tp_overlap`` (SP only): the all-gather cut into per-rank chunks, each under a chunk's GEMM."""
     if group_size(tp_group) == 1:
         return F.linear(x, weight, bias)
+    if _overlapped(sequence_parallel, tp_overlap):
+        return all_gather_linear(x, weight, bias, tp_group, seq_dim)
     return _ColumnParallelLinearFn.apply(x, weight, bias, tp_group, sequence_parallel, seq_dim)
 
 
 def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                         tp_group: ProcessGroup | None, sequence_parallel: bool = False,
-                        seq_dim: int = 0) -> torch.Tensor:
+                        seq_dim: int = 0, tp_overlap: bool = False) -> torch.Tensor:
     """``x [s, b, in/t]`` times this rank's input columns ``weight [out, in/t]``: partial sums
     all-reduced to ``[s, b, out]`` (f-bar) or reduce-scattered to ``[s/t, b, out]`` under SP
-    (g-bar). ``bias`` is added after the reduction."""
-    out = F.linear(x, weight)  # partial sums [s, b, out]
-    if sequence_parallel:
-        out = reduce_scatter_to_sp(out, tp_group, seq_dim)  # [s, b, out] -> [s/t, b, out]
+    (g-bar). ``bias`` is added after the reduction. ``tp_overlap`` (SP only): the reduce-scatter
+    cut into per-rank chunks, each sent while the next chunk's partial product is computed."""
+    if group_size(tp_group) > 1 and _overlapped(sequence_parallel, tp_overlap):
+        out = linear_reduce_scatter(x, weight, tp_group, seq_dim)  # [s, b, in/t] -> [s/t, b, out]
+    elif sequence_parallel:
+        out = reduce_scatter_to_sp(F.linear(x, weight), tp_group, seq_dim)  # [s, b, out] -> [s/t, b, out]
     else:
-        out = reduce_from_tp(out, tp_group)
+        out = reduce_from_tp(F.linear(x, weight), tp_group)  # partial sums [s, b, out], all-reduced
     return out + bias if bias is not None else out
 
 
 class _ParallelLinearBase(nn.Module):
-    def _setup(self, in_features, out_features, tp_group, sequence_parallel, seq_dim):
+    def _setup(self, in_features, out_features, tp_group, sequence_parallel, seq_dim, tp_overlap):
         check_group(tp_group, type(self).__name__)
         self.in_features, self.out_features = in_features, out_features
         self.tp_group = tp_group
         self.tp_size, self.tp_rank = group_size(tp_group), group_rank(tp_group)
         self.sequence_parallel = bool(sequence_parallel)
         self.seq_dim = seq_dim
+        self.tp_overlap = tp_overlap
+
+    @property
+    def tp_overlap(self) -> bool:
+        """SP's collective cut into per-rank chunks under the GEMM (:mod:`seqpar.layers.overlap`)."""
+        return self._tp_overlap
+
+    @tp_overlap.setter
+    def tp_overlap(self, on: bool) -> None:
+        if on and not self.sequence_parallel:
+            raise ValueError(f"{type(self).__name__}: tp_overlap=True overlaps sequence parallelism's all-gather / "
+                             f"reduce-scatter with the GEMM; it needs sequence_parallel=True")
+        self._tp_overlap = bool(on)
 
     def _check_input(self, x: torch.Tensor, expected_last: int) -> None:
         if x.shape[-1] != expected_last:
@@ -168,7 +197,8 @@ class _ParallelLinearBase(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, local_weight={tuple(w.shape)}, "
                 f"bias={self.bias is not None}, tp_rank={self.tp_rank}, tp_size={self.tp_size}, "
                 f"sequence_parallel={self.sequence_parallel}"
-                + (f", seq_dim={self.seq_dim}" if self.sequence_parallel else ""))
+                + (f", seq_dim={self.seq_dim}" if self.sequence_parallel else "")
+                + (", tp_overlap=True" if self.tp_overlap else ""))
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, *, tp_group: ProcessGroup | None, sequence_parallel: bool = False, **kw):
@@ -199,9 +229,10 @@ class ColumnParallelLinear(_ParallelLinearBase):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group: ProcessGroup | None = None,
                  sequence_parallel: bool = False, gather_output: bool = False, dtype: torch.dtype | None = None,
                  device=None, init_method: InitMethod | None = None, per_shard_init: bool = False, seq_dim: int = 0,
-                 chunks: int | tuple[int, ...] = 1, groups: tuple[int | None, ...] | None = None):
+                 chunks: int | tuple[int, ...] = 1, groups: tuple[int | None, ...] | None = None,
+                 tp_overlap: bool = False):
         super().__init__()
-        self._setup(in_features, out_features, tp_group, sequence_parallel, seq_dim)
+        self._setup(in_features, out_features, tp_group, sequence_parallel, seq_dim, tp_overlap)
         layout = ParamLayout(split_dim=0, chunks=chunks, groups=groups)  # validates chunks and groups
         try:
             layout.chunk_sizes(out_features, self.tp_size)
@@ -229,8 +260,8 @@ class ColumnParallelLinear(_ParallelLinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x, self.in_features)
         weight, bias = self.summed_params()
-        out = column_parallel_linear(x, weight, bias, tp_group=self.tp_group,
-                                     sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim)
+        out = column_parallel_linear(x, weight, bias, tp_group=self.tp_group, sequence_parallel=self.sequence_parallel,
+                                     seq_dim=self.seq_dim, tp_overlap=self.tp_overlap)
         return gather_from_tp(out, self.tp_group) if self.gather_output else out
 
 
@@ -245,9 +276,10 @@ class RowParallelLinear(_ParallelLinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_group: ProcessGroup | None = None,
                  sequence_parallel: bool = False, input_is_parallel: bool = True, dtype: torch.dtype | None = None,
-                 device=None, init_method: InitMethod | None = None, per_shard_init: bool = False, seq_dim: int = 0):
+                 device=None, init_method: InitMethod | None = None, per_shard_init: bool = False, seq_dim: int = 0,
+                 tp_overlap: bool = False):
         super().__init__()
-        self._setup(in_features, out_features, tp_group, sequence_parallel, seq_dim)
+        self._setup(in_features, out_features, tp_group, sequence_parallel, seq_dim, tp_overlap)
         check_divisible(in_features, self.tp_size, "RowParallelLinear in_features")
         if sequence_parallel and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel=True requires input_is_parallel=True")
@@ -269,7 +301,8 @@ class RowParallelLinear(_ParallelLinearBase):
             self._check_input(x, self.in_features)
             x = split_to_tp(x, self.tp_group)
         return row_parallel_linear(x, self.weight, self.bias, tp_group=self.tp_group,
-                                   sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim)
+                                   sequence_parallel=self.sequence_parallel, seq_dim=self.seq_dim,
+                                   tp_overlap=self.tp_overlap)
 
 
 def _build_bias(out_features, in_features, layout, layer, bias, init_method, dtype, device, per_shard_init):

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal, Sequence, get_args
 
 from .. import config
 from ..config import ParallelConfig, TrainConfig, resolve_config, shipped_dir
@@ -276,15 +276,19 @@ def gib(n_bytes: Number) -> float:
 SHAPE_KEYS = {"model": ("seq_len", "hidden", "heads", "layers", "vocab_size"), "train": ("micro_batch",)}
 
 
-def load_sections(path: str | Path) -> tuple[Path, dict]:
-    """The resolved path and the ``model`` / ``parallel`` / ``train`` sections of a run config.
+def load_sections(path: str | Path, overrides: Sequence[str] = ()) -> tuple[Path, dict]:
+    """The resolved path and the ``model`` / ``parallel`` / ``train`` sections of a run config, with
+    ``key=value`` ``overrides`` as ``seqpar train`` takes them (``model.seq_len=131072``).
 
     ``path`` is a YAML file or a shipped config's name (``paper/175b``). Each section is checked by
-    the strict loader (unknown keys and wrong types name the dotted key); other sections are ignored.
+    the strict loader (unknown keys and wrong types name the dotted key); other sections are ignored,
+    but every override is checked against the whole run schema, as ``seqpar train`` would.
     """
     path = resolve_config(path)
+    if overrides:
+        config.load_run_config(path, overrides)  # an override of any section: a real key, a valid value
     schema = {"model": GPTConfig, "parallel": ParallelConfig, "train": TrainConfig}
-    return path, config.load_sections(path, schema, SHAPE_KEYS)
+    return path, config.load_sections(path, schema, SHAPE_KEYS, overrides)
 
 
 def shape_of(name: str, sections: dict) -> ModelShape:

@@ -54,6 +54,19 @@ def _refine(term: str, role: str, t: torch.Tensor) -> str:
     return term
 
 
+def _is_generator_state(t: torch.Tensor) -> bool:
+    """A dropout generator state (1-D uint8: 5,056 bytes on the CPU, 16 on CUDA) that a compiled
+    block keeps to replay a recomputed dropout; the eager checkpoint keeps the same states outside
+    autograd. Bookkeeping of the recomputation, not an activation: left out of the ledger."""
+    return t.dtype == torch.uint8 and t.dim() == 1 and t.numel() in (torch.get_rng_state().numel(), 16)
+
+
+def _is_compiled(module: nn.Module | None) -> bool:
+    """Whether ``module``'s forward is a compiled block's (:mod:`seqpar.parallel.compile`): hooks on
+    its submodules would be traced into (and recompile) its graph."""
+    return module is not None and bool(getattr(module.__dict__.get("forward"), "__wrapped__", False))
+
+
 @dataclass
 class SavedTensor:
     module: str          # qualified module name ("" = the root)
@@ -98,7 +111,11 @@ class ActivationLedger:
     def __enter__(self) -> "ActivationLedger":
         self._holders = [m for m in self.model.modules() if m._parameters or m._buffers]
         self._skip = self._weights()
+        self._modules = dict(self.model.named_modules())
+        compiled = [name + "." for name, m in self._modules.items() if _is_compiled(m)]
         for name, module in self.model.named_modules():
+            if any(name.startswith(prefix) for prefix in compiled):
+                continue  # inside a compiled block: one graph, charged to the block
             self._handles.append(module.register_forward_pre_hook(self._pre(name), with_kwargs=True))
             self._handles.append(module.register_forward_hook(self._post(), always_call=True))
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -143,7 +160,7 @@ class ActivationLedger:
     def _pack(self, saved: torch.Tensor) -> torch.Tensor:
         t = _local(saved)
         ptr = self._ptr(t)
-        if ptr in self._skip or ptr in self._seen or t.untyped_storage().nbytes() == 0:
+        if ptr in self._skip or ptr in self._seen or t.untyped_storage().nbytes() == 0 or _is_generator_state(t):
             return saved
         self._seen.add(ptr)
         module = self._stack[-1] if self._stack else ""
@@ -155,6 +172,8 @@ class ActivationLedger:
         else:
             layer, role = None, module
         term = _refine(TERMS.get(role, role or "other"), role, t)
+        if not role and module and _is_compiled(self._modules.get(module)):
+            term = "kept by the compiled block"
         self.records.append(SavedTensor(module, layer, term, tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
         return saved
 

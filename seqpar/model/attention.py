@@ -12,6 +12,7 @@ gradient is summed over exactly them in backward, inside the column layer.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -27,6 +28,11 @@ from .rope import RopeTables, RotaryEmbedding
 
 # scaled_dot_product_attention(..., enable_gqa=True) exists from PyTorch 2.5
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)
+
+
+def causal_bias(s: int, r: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``[r*s, s]``: ``r`` copies of the ``[s, s]`` causal mask (-inf above the diagonal)."""
+    return torch.full((s, s), float("-inf"), dtype=dtype, device=device).triu_(1).repeat(r, 1)
 
 
 class CoreAttention(nn.Module):
@@ -49,38 +55,47 @@ class CoreAttention(nn.Module):
         """``[r*s, s]``: ``r`` copies of the ``[s, s]`` mask with -inf above the diagonal; cached."""
         key = (s, r, dtype, device)
         if self._bias_key != key:
-            self._bias = torch.full((s, s), float("-inf"), dtype=dtype, device=device).triu_(1).repeat(r, 1)
+            self._bias = causal_bias(s, r, dtype, device)
             self._bias_key = key
         return self._bias
+
+    def prepare(self, bias: torch.Tensor, r: int) -> None:
+        """Hold ``bias`` (:func:`causal_bias` at the model's sequence length, shared by every layer)
+        as a non-persistent buffer before compiling: created in the traced region, the cache would
+        be a side effect, and a buffer is not taken for an activation when a compiled graph keeps it."""
+        s = bias.shape[1]
+        self.register_buffer("causal_bias_table", bias, persistent=False)
+        self._bias, self._bias_key = bias, (s, r, bias.dtype, bias.device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         s, b, a, d = q.shape
         g = k.shape[2]
         r = a // g  # query heads per key/value head
         p = self.p if self.training else 0.0
-        with self.streams.fork("tp"):  # each TP rank holds different heads: different masks
-            if self.kind == "sdpa":
+        if self.kind == "sdpa":
+            # the kernel draws its own mask, from the default generator: swap the stream in
+            with self.streams.fork("tp") if p > 0 else contextlib.nullcontext():
                 qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, heads, s, d] views
                 if r > 1 and not _SDPA_GQA:  # old PyTorch: the kernel needs equal head counts
                     kh, vh = kh.repeat_interleave(r, 1), vh.repeat_interleave(r, 1)
                 gqa = {"enable_gqa": True} if r > 1 and _SDPA_GQA else {}
                 out = replayable_sdpa(qh, kh, vh, dropout_p=p, is_causal=True, **gqa)
-                return out.permute(2, 0, 1, 3).reshape(s, b, a * d)
-            # copies, never views of the QKV buffer: a view (b = 1, or one key/value head) would keep
-            # the whole buffer alive next to the copies, Q twice
-            qb = q.permute(1, 2, 0, 3).reshape(b * g, r * s, d).contiguous()  # [b*g, r*s, d]: group's heads as rows
-            kt = k.permute(1, 2, 3, 0).reshape(b * g, d, s).contiguous()      # [b*g, d, s]
-            vb = v.permute(1, 2, 0, 3).reshape(b * g, s, d).contiguous()
-            # one fused op: causal bias + scale * QK^T (the bias is a broadcast view, never saved)
-            bias = self._causal_bias(s, r, q.dtype, q.device)
-            scores = torch.baddbmm(bias.expand(b * g, r * s, s), qb, kt, alpha=self.scale)  # [b*g, r*s, s]
-            # in the scores' dtype (bf16 stays bf16, accumulated in fp32 by the kernel): autocast would
-            # upcast the output to fp32 and double the 2as^2b bytes Table 2 counts for it
-            with torch.autocast(q.device.type, enabled=False):
-                probs = torch.softmax(scores, dim=-1)
-            if p > 0:
-                probs, _ = torch.native_dropout(probs, p, True)        # keeps a 1-byte mask
-            ctx = torch.bmm(probs, vb)                                 # [b*g, r*s, d]
+            return out.permute(2, 0, 1, 3).reshape(s, b, a * d)
+        # copies, never views of the QKV buffer: a view (b = 1, or one key/value head) would keep
+        # the whole buffer alive next to the copies, Q twice
+        qb = q.permute(1, 2, 0, 3).reshape(b * g, r * s, d).contiguous()  # [b*g, r*s, d]: group's heads as rows
+        kt = k.permute(1, 2, 3, 0).reshape(b * g, d, s).contiguous()      # [b*g, d, s]
+        vb = v.permute(1, 2, 0, 3).reshape(b * g, s, d).contiguous()
+        # one fused op: causal bias + scale * QK^T (the bias is a broadcast view, never saved)
+        bias = self._causal_bias(s, r, q.dtype, q.device)
+        scores = torch.baddbmm(bias.expand(b * g, r * s, s), qb, kt, alpha=self.scale)  # [b*g, r*s, s]
+        # in the scores' dtype (bf16 stays bf16, accumulated in fp32 by the kernel): autocast would
+        # upcast the output to fp32 and double the 2as^2b bytes Table 2 counts for it
+        with torch.autocast(q.device.type, enabled=False):
+            probs = torch.softmax(scores, dim=-1)
+        if p > 0:  # each TP rank holds different heads: the per-rank stream; keeps a 1-byte mask
+            probs = self.streams.dropout(probs, p, "tp", core=True)
+        ctx = torch.bmm(probs, vb)                                     # [b*g, r*s, d]
         return ctx.view(b, a, s, d).permute(2, 0, 1, 3).reshape(s, b, a * d)  # [s, b, a/t * d]
 
 
@@ -124,7 +139,7 @@ class SelfAttention(nn.Module):
         q, k, v = q.view(s, b, a, d), k.view(s, b, g, d), v.view(s, b, g, d)  # views of one buffer
         if self.cp is not None:
             ctx = context_attention(q, k, v, self.cp, self.core.scale)
-        elif self.recompute:
+        elif self.recompute and not torch.compiler.is_compiling():  # compiled: the block's policy recomputes
             ctx = checkpoint(self.core, q, k, v, streams=self.streams)  # keeps only q, k, v
         else:
             ctx = self.core(q, k, v)

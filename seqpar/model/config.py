@@ -6,16 +6,57 @@ multi-head attention); ``norm="rmsnorm"``, ``position="rope"``, ``mlp="swiglu"``
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import torch
 
+from .modes import ATTENTION_MODES, RECOMPUTE_METHODS, RECOMPUTE_MODES, AttentionMode, RecomputeMethod, RecomputeMode
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+T = TypeVar("T")
 
 
-from .modes import RECOMPUTE_METHODS, RECOMPUTE_MODES, RecomputeMethod, RecomputeMode
+class Freezable:
+    """A config dataclass that :func:`freeze` can make read-only (a resolved run's sections): then
+    assigning or deleting a field raises :class:`dataclasses.FrozenInstanceError`. Until then it is
+    an ordinary mutable dataclass; ``dataclasses.replace`` of a frozen one is a changeable copy."""
+
+    __slots__ = ()
+
+    def __setattr__(self, name: str, value) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot assign to field {name!r}: this {type(self).__name__} belongs to a resolved run and is "
+                f"read-only (dataclasses.replace gives a copy that can change)")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r} of a read-only {type(self).__name__}")
+        object.__delattr__(self, name)
+
+
+def _freeze_in_place(obj):
+    """``obj`` with its nested config dataclasses frozen and its lists turned into tuples."""
+    if isinstance(obj, list):
+        return tuple(_freeze_in_place(v) for v in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            object.__setattr__(obj, f.name, _freeze_in_place(getattr(obj, f.name)))
+        if isinstance(obj, Freezable):
+            object.__setattr__(obj, "_frozen", True)
+    return obj
+
+
+def freeze(config: T) -> T:
+    """A read-only deep copy of ``config`` (a :class:`Freezable` dataclass and every section it
+    holds; lists become tuples): what a resolved run keeps, so nothing built from it can rewrite it.
+    ``config`` itself is left as it was."""
+    return _freeze_in_place(copy.deepcopy(config))
 
 
 def _finite_positive(v) -> bool:
@@ -51,7 +92,7 @@ def swiglu_ffn(hidden: int) -> int:
 
 
 @dataclass
-class GPTConfig:
+class GPTConfig(Freezable):
     """A GPT-2/GPT-3 or Llama-family decoder. Every check that needs only these numbers runs in
     ``validate()``; the ones that need the TP size run in ``check_parallel(t)``."""
 
@@ -83,7 +124,7 @@ class GPTConfig:
     # per-layer modes, one per layer; when set they override recompute (each full layer is its own
     # checkpointed unit; recompute_method / recompute_num_layers are then unused)
     recompute_layers: tuple[RecomputeMode, ...] | None = None
-    attention: Literal["math", "sdpa"] = "math"  # sdpa: PyTorch's fused kernels
+    attention: AttentionMode = "math"  # sdpa: PyTorch's fused kernels
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # parameter/activation dtype
 
     def __post_init__(self) -> None:
@@ -132,7 +173,7 @@ class GPTConfig:
         if not 0 <= self.init_std < float("inf"):
             raise ValueError(f"GPTConfig.init_std must be a finite number >= 0, got {self.init_std!r}")
         choices = {"activation": ("gelu", "gelu_tanh"), "recompute": (*RECOMPUTE_MODES, "auto"),
-                   "recompute_method": RECOMPUTE_METHODS, "attention": ("math", "sdpa"), "dtype": tuple(DTYPES),
+                   "recompute_method": RECOMPUTE_METHODS, "attention": ATTENTION_MODES, "dtype": tuple(DTYPES),
                    "norm": ("layernorm", "rmsnorm"), "position": ("learned", "rope"), "mlp": ("gelu", "swiglu")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

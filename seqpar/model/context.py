@@ -20,9 +20,9 @@ from .config import GPTConfig
 
 
 def build_context(config: GPTConfig, mesh: ParallelMesh, comm: CPComm) -> ContextParallel:
-    """The model's :class:`ContextParallel`, after the checks that need cp (on every rank, before
-    any collective): ``seq_len`` into ``2*cp`` chunks (and ``seq_len/cp`` over ``t`` under SP), no
-    attention dropout (not supported with cp yet)."""
+    """The model's :class:`ContextParallel` (its blocks on ``model.attention``'s kernel), after the
+    checks that need cp (on every rank, before any collective): ``seq_len`` into ``2*cp`` chunks
+    (and ``seq_len/cp`` over ``t`` under SP), no attention dropout (not supported with cp yet)."""
     cp = mesh.cp_size
     check_context_layout(config.seq_len, cp, mesh.tp_size, config.sequence_parallel)
     if cp > 1 and config.attention_dropout > 0:
@@ -30,7 +30,7 @@ def build_context(config: GPTConfig, mesh: ParallelMesh, comm: CPComm) -> Contex
                          f"supported yet (context-parallel attention has no dropout); set "
                          f"model.attention_dropout=0")
     check_group(mesh.cp_group, "GPT (cp_group)")
-    return ContextParallel.of(mesh.cp_group if cp > 1 else None, comm)
+    return ContextParallel.of(mesh.cp_group if cp > 1 else None, comm, config.attention)
 
 
 def stream_rank(mesh: ParallelMesh) -> int:

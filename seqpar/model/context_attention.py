@@ -12,9 +12,11 @@ they attend to every earlier key of the full sequence. K/V reach them by
   them back to their owner (``cp`` gradient transfers).
 
 Per block the math is flash attention's: partial outputs and their log-sum-exp, merged exactly
-(``logaddexp``), computed in fp32 at least. A block's scores are ``[b, a/t, c, c]`` (``c = s/(2cp)``),
-so the transient is bounded by one chunk pair in both exchanges. This is seqpar's own kernel
-(matmuls and exp, any device); ``model.attention`` does not change it. Backward recomputes each block's probabilities from
+(``logaddexp``), computed in fp32 at least. A block is one chunk pair (``c = s/(2cp)`` queries and
+keys), so the transient is bounded by one chunk pair in both exchanges. Blocks run on seqpar's own
+kernel (matmuls and exp on ``[b, a/t, c, c]`` scores, any device) or, with ``model.attention:
+sdpa``, on PyTorch's fused kernels that return the log-sum-exp (:mod:`.context_kernels`; the CPU
+flash kernel, CUDA's memory-efficient one). Backward recomputes each block's probabilities from
 the saved log-sum-exp (``dS = P * (dP - rowsum(dO * O))``), so what a layer keeps is its own
 q, k, v, the output and the ``[b, a/t, s/cp]`` log-sum-exp: never an ``s x s`` term, whatever the
 recompute mode. Grouped-query attention folds the ``a/g`` query heads of a K/V head into rows
@@ -26,6 +28,7 @@ import torch
 
 from ..distributed.collectives import all_gather_dim0, reduce_scatter_dim0
 from ..distributed.context import ContextParallel, context_chunks, context_positions, ring_shift
+from .context_kernels import Blocks
 
 
 def _fold_q(q: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
@@ -40,24 +43,6 @@ def _unfold(o: torch.Tensor, a: int, c: int) -> torch.Tensor:
     return o.reshape(b, a, c, d).permute(2, 0, 1, 3).reshape(c, b, a * d)
 
 
-def _scores(q, k, scale: float, offset: int | None, reps: int) -> torch.Tensor:
-    """``scale * q k^T`` ``[b, g, R, sk]`` with the causal mask of a block whose queries start
-    ``offset`` positions after its keys (``None``: every key visible)."""
-    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
-    if offset is not None:
-        rows, sk = s.shape[-2] // reps, s.shape[-1]
-        bias = torch.full((rows, sk), float("-inf"), dtype=s.dtype, device=s.device).triu_(offset + 1)
-        s.add_(bias.repeat(reps, 1))
-    return s
-
-
-def block_forward(q, k, v, scale: float, offset: int | None, reps: int):
-    """One block: ``(out [b, g, R, d], lse [b, g, R])`` of ``q`` over keys ``k`` / values ``v``."""
-    s = _scores(q, k, scale, offset, reps)
-    lse = torch.logsumexp(s, dim=-1)
-    return torch.matmul(torch.exp(s.sub_(lse.unsqueeze(-1))), v), lse
-
-
 def merge(out, lse, o2, l2):
     """Combine two partial attentions of the same queries by their log-sum-exp (exact)."""
     if out is None:
@@ -66,21 +51,13 @@ def merge(out, lse, o2, l2):
     return out * torch.exp(lse - new).unsqueeze(-1) + o2 * torch.exp(l2 - new).unsqueeze(-1), new
 
 
-def block_backward(q, k, v, dout, lse, delta, scale: float, offset: int | None, reps: int):
-    """``(dq, dk, dv)`` of one block from the final ``lse`` and ``delta = rowsum(dO * O)``."""
-    p = torch.exp(_scores(q, k, scale, offset, reps).sub_(lse.unsqueeze(-1)))  # [b, g, R, sk]
-    dv = torch.matmul(p.transpose(-1, -2), dout)
-    ds = p.mul_(torch.matmul(dout, v.transpose(-1, -2)).sub_(delta.unsqueeze(-1)))
-    return torch.matmul(ds, k).mul_(scale), torch.matmul(ds.transpose(-1, -2), q).mul_(scale), dv
-
-
 def _pairs(q_chunks: tuple[int, int], k_chunks: tuple[int, int]):
-    """``(qi, kj, offset)`` of every visible (query chunk, key chunk) pair, by index in the tuples:
+    """``(qi, kj, causal)`` of every visible (query chunk, key chunk) pair, by index in the tuples:
     earlier key chunks fully, the same chunk causally, later ones never."""
     for i, qc in enumerate(q_chunks):
         for j, kc in enumerate(k_chunks):
             if kc <= qc:
-                yield i, j, (0 if kc == qc else None)
+                yield i, j, kc == qc
 
 
 # --------------------------------------------------------------------------- all-gather
@@ -100,27 +77,25 @@ def _gather_kv(k, v, cp: ContextParallel, dtype):
     return kv[:, 0].permute(1, 2, 0, 3), kv[:, 1].permute(1, 2, 0, 3), pos
 
 
-def _allgather_forward(qs, k, v, cp: ContextParallel, scale, reps, dtype):
+def _allgather_forward(qs, k, v, cp: ContextParallel, blocks: Blocks, dtype):
     kf, vf, _ = _gather_kv(k, v, cp, dtype)
     c = k.shape[0] // 2
     acc = [(None, None), (None, None)]
     for i, chunk in enumerate(context_chunks(cp.rank, cp.size)):
         for j in range(chunk + 1):  # key chunks 0..chunk, one [c, c] block each (bounded transient)
             rows = slice(j * c, (j + 1) * c)
-            offset = 0 if j == chunk else None
-            acc[i] = merge(*acc[i], *block_forward(qs[i], kf[:, :, rows], vf[:, :, rows], scale, offset, reps))
+            acc[i] = merge(*acc[i], *blocks.forward(qs[i], kf[:, :, rows], vf[:, :, rows], j == chunk))
     return acc
 
 
-def _allgather_backward(qs, k, v, douts, lses, deltas, cp: ContextParallel, scale, reps, dtype):
+def _allgather_backward(qs, k, v, grads, cp: ContextParallel, blocks: Blocks, dtype):
     kf, vf, pos = _gather_kv(k, v, cp, dtype)
     c = k.shape[0] // 2
     dkf, dvf, dqs = torch.zeros_like(kf), torch.zeros_like(vf), [torch.zeros_like(q) for q in qs]
     for i, chunk in enumerate(context_chunks(cp.rank, cp.size)):
         for j in range(chunk + 1):
             rows = slice(j * c, (j + 1) * c)
-            dq, dk, dv = block_backward(qs[i], kf[:, :, rows], vf[:, :, rows], douts[i], lses[i], deltas[i], scale,
-                                        0 if j == chunk else None, reps)
+            dq, dk, dv = blocks.backward(qs[i], kf[:, :, rows], vf[:, :, rows], *grads[i], j == chunk)
             dqs[i] += dq
             dkf[:, :, rows] += dk
             dvf[:, :, rows] += dv
@@ -132,7 +107,7 @@ def _allgather_backward(qs, k, v, douts, lses, deltas, cp: ContextParallel, scal
 # --------------------------------------------------------------------------- ring
 
 
-def _ring_forward(qs, k, v, cp: ContextParallel, scale, reps, dtype):
+def _ring_forward(qs, k, v, cp: ContextParallel, blocks: Blocks, dtype):
     c, mine = k.shape[0] // 2, context_chunks(cp.rank, cp.size)
     kv = torch.stack([k, v])                                          # [2, s/cp, b, g, d]
     acc = [(None, None), (None, None)]
@@ -140,15 +115,15 @@ def _ring_forward(qs, k, v, cp: ContextParallel, scale, reps, dtype):
         pending = ring_shift([kv], cp, tag=step) if step < cp.size - 1 else None
         src = (cp.rank - step) % cp.size
         kb = kv.to(dtype).permute(0, 2, 3, 1, 4)                       # [2, b, g, s/cp, d]
-        for i, j, offset in _pairs(mine, context_chunks(src, cp.size)):
+        for i, j, causal in _pairs(mine, context_chunks(src, cp.size)):
             rows = slice(j * c, (j + 1) * c)
-            acc[i] = merge(*acc[i], *block_forward(qs[i], kb[0][:, :, rows], kb[1][:, :, rows], scale, offset, reps))
+            acc[i] = merge(*acc[i], *blocks.forward(qs[i], kb[0][:, :, rows], kb[1][:, :, rows], causal))
         if pending is not None:
             kv = pending.wait()[0]
     return acc
 
 
-def _ring_backward(qs, k, v, douts, lses, deltas, cp: ContextParallel, scale, reps, dtype):
+def _ring_backward(qs, k, v, grads, cp: ContextParallel, blocks: Blocks, dtype):
     c, mine, n = k.shape[0] // 2, context_chunks(cp.rank, cp.size), cp.size
     kv = torch.stack([k, v])
     dqs, sent = [torch.zeros_like(q) for q in qs], None
@@ -157,10 +132,9 @@ def _ring_backward(qs, k, v, douts, lses, deltas, cp: ContextParallel, scale, re
         src = (cp.rank - step) % n
         kb = kv.to(dtype).permute(0, 2, 3, 1, 4)                       # [2, b, g, s/cp, d]
         dkv = torch.zeros_like(kb)
-        for i, j, offset in _pairs(mine, context_chunks(src, n)):
+        for i, j, causal in _pairs(mine, context_chunks(src, n)):
             rows = slice(j * c, (j + 1) * c)
-            dq, dk, dv = block_backward(qs[i], kb[0][:, :, rows], kb[1][:, :, rows], douts[i], lses[i],
-                                        deltas[i], scale, offset, reps)
+            dq, dk, dv = blocks.backward(qs[i], kb[0][:, :, rows], kb[1][:, :, rows], *grads[i], causal)
             dqs[i] += dq
             dkv[0][:, :, rows] += dk
             dkv[1][:, :, rows] += dv
@@ -185,11 +159,12 @@ class _ContextAttention(torch.autograd.Function):
         s_local, b, a, d = q.shape
         g, c = k.shape[2], s_local // 2
         dtype = torch.promote_types(q.dtype, torch.float32)
+        blocks = Blocks.of(cp.kernel, scale, a // g, q.device, dtype)
         qs = [_fold_q(x, g, dtype) for x in (q[:c], q[c:])]
         run = _ring_forward if cp.comm == "ring" else _allgather_forward
-        results = run(qs, k, v, cp, scale, a // g, dtype)
+        results = run(qs, k, v, cp, blocks, dtype)
         out = torch.cat([_unfold(o, a, c) for o, _ in results]).to(q.dtype)  # [s/cp, b, a/t * d]
-        ctx.cp, ctx.scale, ctx.reps = cp, scale, a // g
+        ctx.cp, ctx.blocks = cp, blocks
         ctx.save_for_backward(q, k, v, out, *(lse for _, lse in results))
         return out
 
@@ -202,9 +177,11 @@ class _ContextAttention(torch.autograd.Function):
         qs = [_fold_q(x, g, dtype) for x in (q[:c], q[c:])]
         douts = [_fold_q(x.view(c, b, a, d), g, dtype) for x in (dout[:c], dout[c:])]
         outs = [_fold_q(x.view(c, b, a, d), g, dtype) for x in (out[:c], out[c:])]
-        deltas = [(o * do).sum(-1) for o, do in zip(outs, douts)]
+        # per query chunk what each block's backward needs: the final output, its gradient, the final
+        # log-sum-exp and rowsum(dO * O) (the math kernel's; the fused ones compute it)
+        grads = [(o, do, lse, (o * do).sum(-1)) for o, do, lse in zip(outs, douts, (lse0, lse1))]
         run = _ring_backward if ctx.cp.comm == "ring" else _allgather_backward
-        dqs, dk, dv = run(qs, k, v, douts, (lse0, lse1), deltas, ctx.cp, ctx.scale, ctx.reps, dtype)
+        dqs, dk, dv = run(qs, k, v, grads, ctx.cp, ctx.blocks, dtype)
         dq = torch.cat([x.reshape(b, a, c, d).permute(2, 0, 1, 3) for x in dqs]).to(q.dtype)
         return dq, dk, dv, None, None
 

@@ -22,7 +22,7 @@ from ..distributed.context import CPComm, check_context_layout
 from ..distributed.mesh import ParallelMesh
 from ..distributed.rng import RNGStreams
 from ..layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy
-from ..recompute import checkpoint, full_recompute_plan, layer_recompute_plan
+from ..recompute import full_recompute_plan, layer_recompute_plan, run_plan
 from ..sharding import mark_sp_replicated
 from .attention import SelfAttention
 from .config import RECOMPUTE_MODES, GPTConfig
@@ -43,8 +43,7 @@ class Dropout(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        with self.streams.fork(self.stream):
-            return torch.native_dropout(x, self.p, True)[0]
+        return self.streams.dropout(x, self.p, self.stream)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, stream={self.stream!r}"
@@ -222,11 +221,7 @@ class GPT(nn.Module):
             start = self.tp_rank * n if sp else 0
             x = x + position_rows(self.wpe.weight, tokens.shape[1], start, n, self.cp)  # this rank's rows
         x = self.drop(x)
-        for begin, end, ckpt in self.runs:
-            if ckpt:
-                x = checkpoint(self._run_blocks, x, begin, end, streams=self.rng)
-            else:
-                x = self._run_blocks(x, begin, end)
+        x = run_plan(self.runs, self._run_blocks, x, self.rng)
         x = self.ln_f(x)
         weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
         logits = column_parallel_linear(x, weight, tp_group=self.tp_group, sequence_parallel=sp)  # [s, b, v_pad/t]

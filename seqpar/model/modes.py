@@ -1,5 +1,5 @@
 """The run's named modes, spelled once: what a layer recomputes (and how full
-recompute groups layers), how dp shares state, the precision.
+recompute groups layers), which attention kernel runs, how dp shares state, the precision.
 
 Each is a ``Literal`` type for the typed configs and a tuple of its values for checks and loops;
 everything above ``model`` imports them from here (the recompute modes are defined in
@@ -12,6 +12,9 @@ from typing import Literal, get_args
 # defined with the recompute plans, below model
 from ..recompute import RECOMPUTE_METHODS, RECOMPUTE_MODES, RecomputeMethod, RecomputeMode
 
+AttentionMode = Literal["math", "sdpa"]  # seqpar's own attention core, or PyTorch's fused kernels
+ATTENTION_MODES: tuple[AttentionMode, ...] = get_args(AttentionMode)
+
 DataParallelMode = Literal["ddp", "fsdp"]  # replicated state + all-reduce, or FSDP2 shards over dp
 DATA_PARALLEL_MODES: tuple[DataParallelMode, ...] = get_args(DataParallelMode)
 
@@ -20,5 +23,6 @@ PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 PrecisionSetting = Literal["auto", Precision]         # train.precision: auto = bf16 on CUDA, fp32 on CPU
 PRECISION_SETTINGS: tuple[str, ...] = get_args(PrecisionSetting)
 
-__all__ = ["DATA_PARALLEL_MODES", "PRECISIONS", "PRECISION_SETTINGS", "RECOMPUTE_METHODS", "RECOMPUTE_MODES",
-           "DataParallelMode", "Precision", "PrecisionSetting", "RecomputeMethod", "RecomputeMode"]
+__all__ = ["ATTENTION_MODES", "DATA_PARALLEL_MODES", "PRECISIONS", "PRECISION_SETTINGS", "RECOMPUTE_METHODS",
+           "RECOMPUTE_MODES", "AttentionMode", "DataParallelMode", "Precision", "PrecisionSetting", "RecomputeMethod",
+           "RecomputeMode"]

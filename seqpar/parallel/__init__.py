@@ -1,4 +1,5 @@
-"""Parallelism applied from outside the model: FSDP2 or DDP over ``dp``, pipeline stages over ``pp``."""
+"""Parallelism applied from outside the model: overlapped TP communication, FSDP2 or DDP over ``dp``,
+pipeline stages over ``pp``."""
 from .data_parallel import DataParallel, state_bytes
 from .fsdp import apply_fsdp
 from .grads import clip_grad_norm, sum_tied_grads, tied_embedding_group
@@ -7,8 +8,9 @@ from ..memory.schedule import layers_in_flight
 from .pipeline import SCHEDULES, PipelineParallel, build_pipeline, resolve_schedule
 from .stages import StageModule, build_stage_modules, check_stage_split, local_stage_indices, stage_layers
 from .timing import StepTiming, ideal_bubble
+from .tp_overlap import apply_tp_overlap
 
 __all__ = ["DataParallel", "apply_fsdp", "state_bytes", "PipelineParallel", "build_pipeline", "resolve_schedule", "SCHEDULES", "StageModule",
            "build_stage_modules", "check_stage_split", "local_stage_indices", "stage_layers", "clip_grad_norm",
            "sum_tied_grads", "tied_embedding_group", "StepTiming", "ideal_bubble",
-           "PeakActivationLedger", "layers_in_flight"]
+           "PeakActivationLedger", "layers_in_flight", "apply_tp_overlap"]

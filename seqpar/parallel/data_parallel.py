@@ -5,8 +5,14 @@ Per optimizer step the Trainer asks, in order: :meth:`DataParallel.micro_batch` 
 micro-batch's forward and backward (DDP's ``no_sync`` / FSDP's deferred reduce-scatter before
 the last one), :meth:`DataParallel.after_backward` (waiting for the bf16 recipe's fp32 dp
 all-reduce under ddp, launched bucket by bucket during the last backward by
-:class:`~seqpar.parallel.grad_buckets.GradBuckets`; the SP-replicated gradients summed over TP), then :meth:`DataParallel.clip` (the one global
-norm of :func:`seqpar.parallel.grads.clip_grad_norm`).
+:class:`~seqpar.parallel.grad_buckets.GradBuckets`; the SP-replicated gradients summed over
+TP), then :meth:`DataParallel.clip` (the one global norm of
+:func:`seqpar.parallel.grads.clip_grad_norm`).
+
+Context parallelism: a CP rank's gradient is its tokens' share, so gradients are summed over cp
+and averaged over dp. Under ddp that is one bucketed reduction over the dp x cp group during
+backward, each bucket divided by dp only (torch DDP with a communication hook, or the bf16
+recipe's buckets); under fsdp one reduce-scatter over dp x cp (then scaled by cp).
 """
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ from contextlib import AbstractContextManager
 import torch
 import torch.nn as nn
 
-from ..distributed.collectives import all_reduce_coalesced
+from ..distributed.collectives import ProcessGroup, all_reduce_future
 from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh
 from ..sharding import local_tensor
@@ -47,12 +53,11 @@ class DataParallel:
             self.norm_group = shard_mesh.get_group() if mesh.cp_size > 1 else mesh.dp_group
             self.module = apply_fsdp(model, shard_mesh, reshard_after_forward=reshard_after_forward,
                                      precision=precision)
-        elif mesh.dp_size > 1 and master_weights:
-            self.module, self.buckets = model, GradBuckets(model, mesh.dp_group, bucket_mib)
-        elif mesh.dp_size > 1:
-            from torch.nn.parallel import DistributedDataParallel
-            kwargs = {"broadcast_buffers": False} if any(True for _ in model.buffers()) else {}
-            self.module = DistributedDataParallel(model, process_group=mesh.dp_group, **kwargs)
+        elif mesh.dp_size * mesh.cp_size > 1 and master_weights:  # summed over cp, averaged over dp
+            self.buckets = GradBuckets(model, mesh.dp_cp_group, bucket_mib, divide_by=mesh.dp_size)
+            self.module = model
+        elif mesh.dp_size * mesh.cp_size > 1:
+            self.module = wrap_ddp(model, mesh, bucket_mib)
         else:
             self.module = model
 
@@ -75,17 +80,15 @@ class DataParallel:
         return self.module.no_sync()
 
     def after_backward(self) -> None:
-        """Once per optimizer step, after the last backward: the bf16 recipe's fp32 gradients
-        averaged over dp (ddp), the CP ranks' shares summed over cp (context parallelism), then
-        SP-replicated gradients summed over TP (on the dp shards under fsdp)."""
-        tp = self.mesh.tp_group
+        """Once per optimizer step, after the last backward: waiting for the bf16 recipe's fp32
+        buckets (ddp; reduced over dp x cp during backward), then SP-replicated gradients summed
+        over TP (on the dp x cp shards under fsdp)."""
+        tp, cp = self.mesh.tp_group, self.mesh.cp_size
         if self.buckets is not None:
             self.buckets.finish()
-        cp, grads = self.mesh.cp_size, [p.grad for p in self.model.parameters() if p.grad is not None]
-        if cp > 1 and not self.sharded:  # each CP rank holds its tokens' share: sum once
-            all_reduce_coalesced(grads, self.mesh.cp_group)
-        elif cp > 1:  # FSDP averaged the shares over dp x cp: they are a sum over cp, a mean over dp only
-            torch._foreach_mul_([local_tensor(g) for g in grads], float(cp))
+        if cp > 1 and self.sharded:  # FSDP averaged the shares over dp x cp: a sum over cp, a mean over dp only
+            grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+            torch._foreach_mul_(grads, float(cp))
         if self.sharded:
             sync_sharded_sp_grads(self.model, tp)
         else:
@@ -95,6 +98,29 @@ class DataParallel:
         """Global gradient norm of the full model before clipping (clipped in place when > 0)."""
         return clip_grad_norm(self.model, max_norm, tp_group=self.mesh.tp_group, dp_group=self.norm_group,
                               device=self.mesh.device)
+
+
+def wrap_ddp(model: nn.Module, mesh: ParallelMesh, bucket_mib: float = DEFAULT_BUCKET_MIB) -> nn.Module:
+    """torch DDP over the dp x cp group: gradients in buckets of about ``bucket_mib`` MiB, each
+    all-reduced as soon as backward has produced it. Under context parallelism each bucket is
+    divided by dp, not dp x cp, before it is summed: the CP ranks' shares add up, dp averages."""
+    from torch.nn.parallel import DistributedDataParallel
+    kwargs = {"broadcast_buffers": False} if any(True for _ in model.buffers()) else {}
+    wrapped = DistributedDataParallel(model, process_group=mesh.dp_cp_group, bucket_cap_mb=bucket_mib, **kwargs)
+    if mesh.cp_size > 1:
+        wrapped.register_comm_hook((mesh.dp_cp_group, mesh.dp_size), _sum_over_cp_mean_over_dp)
+    return wrapped
+
+
+def _sum_over_cp_mean_over_dp(state: tuple[ProcessGroup, int], bucket):
+    """DDP communication hook: one bucket divided by dp, then summed over dp x cp; returns the
+    future of the bucket (no return annotation: DDP compares it unevaluated, and this module's
+    annotations are strings)."""
+    group, dp = state
+    buf = bucket.buffer()
+    if dp > 1:
+        buf.div_(dp)
+    return all_reduce_future(buf, group)
 
 
 def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -120,4 +146,4 @@ def state_line(measured: dict[str, int]) -> str:
             f"gradients {mib['gradients']:.2f}, optimizer {mib['optimizer']:.2f})")
 
 
-__all__ = ["DataParallel", "state_bytes", "state_line"]
+__all__ = ["DataParallel", "wrap_ddp", "state_bytes", "state_line"]

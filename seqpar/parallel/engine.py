@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..model.config import GPTConfig
+from .compile import CompileReport
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), each [b, s]
 
@@ -50,6 +51,8 @@ class ActivationProbe(Protocol):
 
 class StepEngine:
     """The interface the Trainer calls; see the module docstring."""
+
+    compiled: "CompileReport | None" = None  # what train.compile compiled (seqpar.parallel.compile)
 
     module: nn.Module               # every parameter of this rank (the optimizer's)
     parts: list[nn.Module]          # the model parts checkpoints hold
@@ -80,6 +83,13 @@ class StepEngine:
     def memory_line(self) -> str:
         """What the first step's forward kept for backward, against the formula."""
         raise NotImplementedError
+
+    def compile_line(self, seconds: float | None = None) -> str | None:
+        """What was compiled and how long compilation took (once, after the first step)."""
+        if self.compiled is None:
+            return None
+        self.compiled.seconds = seconds
+        return self.compiled.line()
 
     def log_lines(self) -> list[str]:
         """Extra lines for a log step (the pipeline bubble)."""

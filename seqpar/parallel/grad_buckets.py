@@ -8,7 +8,9 @@ the step's last micro-batch a bucket whose parameters all have their gradient is
 once, asynchronously, under the rest of backward. Buckets are launched strictly in bucket order
 (a bucket that fills early waits for the ones before it), so every dp rank issues the same
 collectives in the same order. :meth:`GradBuckets.finish` launches what is left (parameters that
-got no gradient this step keep zeros), waits, and divides by the dp size.
+got no gradient this step keep zeros), waits, and divides by the dp size. With context
+parallelism the group is dp x cp: each CP rank's gradient is its tokens' share of one sequence's,
+so one all-reduce over dp x cp sums the shares over cp and, divided by dp only, averages over dp.
 """
 from __future__ import annotations
 
@@ -21,12 +23,15 @@ DEFAULT_BUCKET_MIB = 25.0
 
 
 class GradBuckets:
-    """Bucketed, overlapped dp all-reduce of ``model``'s fp32 gradients over ``group``."""
+    """Bucketed, overlapped all-reduce of ``model``'s fp32 gradients over ``group`` (dp, or dp x cp),
+    divided by ``divide_by`` (default: the group's size, a mean)."""
 
-    def __init__(self, model: nn.Module, group, bucket_mib: float = DEFAULT_BUCKET_MIB):
+    def __init__(self, model: nn.Module, group, bucket_mib: float = DEFAULT_BUCKET_MIB,
+                 divide_by: int | None = None):
         if not bucket_mib > 0:
             raise ValueError(f"parallel.bucket_mib must be > 0, got {bucket_mib}")
-        self.model, self.group, self.size = model, group, group_size(group)
+        self.model, self.group = model, group
+        self.size = group_size(group) if divide_by is None else divide_by
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         limit = max(1, int(bucket_mib * 2**20) // 4)  # fp32 elements per bucket
         groups: list[list[tuple[str, nn.Parameter]]] = [[]]
@@ -82,7 +87,7 @@ class GradBuckets:
             self._next += 1
 
     def finish(self) -> None:
-        """After the last backward: reduce the remaining buckets, wait for all, average over dp."""
+        """After the last backward: reduce the remaining buckets, wait for all, divide (average over dp)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []

@@ -6,7 +6,8 @@ micro-batches through a schedule: ``1F1B`` (m = 1), ``Interleaved1F1B`` (m >= 1)
 (m = 1). Each micro-batch's loss is scaled by ``1/n`` so the gradients are the mean over the
 ``n`` micro-batches. After the schedule, per step and once each: SP-replicated gradients summed
 over TP, the tied token table's two copies summed over {first, last} stage, and (``reduce_dp``)
-all gradients averaged over DP.
+all gradients averaged over DP: with context parallelism one reduction over dp x cp that sums the
+CP ranks' shares and averages over dp.
 """
 from __future__ import annotations
 
@@ -212,14 +213,15 @@ class PipelineParallel:
 
     def finish_grads(self) -> None:
         """SP-replicated grads summed over TP (one coalesced all-reduce for this rank's stages),
-        tied copies summed over the first/last pair, then (``reduce_dp``) the mean over DP."""
-        sync_sp_replicated_grads(self.module, self.mesh.tp_group)
+        tied copies summed over the first/last pair, then (``reduce_dp``) the mean over DP, in the
+        same all-reduce as the sum over cp (each CP rank holds its tokens' share; reduced over cp
+        even without ``reduce_dp``)."""
+        mesh = self.mesh
+        sync_sp_replicated_grads(self.module, mesh.tp_group)
         sum_tied_grads(self.tied_parameters(), self.tied_group)
-        if self.mesh.cp_size > 1:  # each CP rank holds its tokens' share: summed once
-            all_reduce_coalesced([p.grad for p in self.parameters() if p.grad is not None], self.mesh.cp_group)
-        if self.reduce_dp and self.mesh.dp_size > 1:
-            grads = [p.grad for p in self.parameters() if p.grad is not None]
-            all_reduce_coalesced(grads, self.mesh.dp_group, mean=True)
+        group, dp = (mesh.dp_cp_group, mesh.dp_size) if self.reduce_dp else (mesh.cp_group, 1)
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        all_reduce_coalesced(grads, group, divide_by=dp)
 
     # ------------------------------------------------------------------ dense state
     def dense_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:

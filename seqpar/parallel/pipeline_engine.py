@@ -22,7 +22,9 @@ from ..distributed.mesh import ParallelMesh
 from ..memory.whole_model import model_activation_bytes
 from .engine import Batch, PrecisionRecipe, StepEngine
 from ..memory import PeakActivationLedger, layers_in_flight
+from .compile import compile_blocks, compile_enabled, merge_reports
 from .pipeline import build_pipeline, resolve_schedule
+from .tp_overlap import apply_tp_overlap
 
 
 class PipelineEngine(StepEngine):
@@ -37,6 +39,10 @@ class PipelineEngine(StepEngine):
                                    virtual_stages=pc.virtual_stages, n_microbatches=accum, activation_dtype=dtype,
                                    time_cuda=False)  # synchronized only on timed steps
         self.module = self.pipe.module  # an nn.ModuleList of this rank's stages
+        apply_tp_overlap(self.module, pc.tp_overlap)
+        if compile_enabled(cfg.train.compile, mesh.device, mc, mesh.cp_size):
+            reports = [compile_blocks(part, list(part.blocks.values())) for part in self.pipe.parts]
+            self.compiled = merge_reports(reports)
         self.parts, self.full_model = list(self.pipe.parts), None
         self.peak: int | None = None  # peak saved-activation bytes inside the layers, first step
         self.peak_outside: int | None = None  # saved outside the layers at that peak (§4.3's terms)

@@ -16,8 +16,10 @@ import torch.nn as nn
 from ..config import RunConfig
 from ..distributed.mesh import ParallelMesh
 from ..model import GPT
+from .compile import compile_blocks, compile_enabled
 from .data_parallel import DataParallel
 from .engine import ActivationProbe, Batch, PrecisionRecipe, StepEngine
+from .tp_overlap import apply_tp_overlap
 
 
 class PlainEngine(StepEngine):
@@ -27,6 +29,9 @@ class PlainEngine(StepEngine):
                  probe: Callable[[nn.Module, torch.device], ActivationProbe] | None = None):
         self.cfg, self.mesh, self.accum, self.precision = cfg, mesh, accum, precision
         self.model = GPT(cfg.model, mesh, seed=cfg.train.seed, cp_comm=cfg.parallel.cp_comm)
+        apply_tp_overlap(self.model, cfg.parallel.tp_overlap)  # TP/SP -> overlap -> compile -> data parallel
+        if compile_enabled(cfg.train.compile, mesh.device, cfg.model, mesh.cp_size):  # after TP/SP and recompute, before FSDP2
+            self.compiled = compile_blocks(self.model)
         mode = cfg.parallel.data_parallel_mode(mesh.dp_size)
         self.data_parallel = DataParallel(self.model, mesh, mode, precision=precision.name,
                                           master_weights=precision.master_weights,

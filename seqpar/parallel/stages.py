@@ -22,7 +22,7 @@ from ..model.config import GPTConfig
 from ..model.context import context_mean_loss, position_rows, split_batch, stream_rank
 from ..model.gpt import GPT
 from ..model.vocab import check_token_ids, trim_rows
-from ..recompute import RECOMPUTE_MODES, checkpoint, full_recompute_plan, layer_recompute_plan
+from ..recompute import RECOMPUTE_MODES, full_recompute_plan, layer_recompute_plan, run_plan
 from .. import sharding
 
 STAGE_SEED_OFFSET = 7919  # stage i draws dropout masks from seed + i * offset (stage 0: the GPT's seed)
@@ -129,11 +129,7 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             x = self._embed(x)
-        for begin, end, ckpt in self.runs:
-            if ckpt:
-                x = checkpoint(self._run_blocks, x, begin, end, streams=self.rng)
-            else:
-                x = self._run_blocks(x, begin, end)
+        x = run_plan(self.runs, self._run_blocks, x, self.rng)
         if not self.is_last:
             return x                                                # [s/t, b, h] to the next stage
         x = self.ln_f(x)

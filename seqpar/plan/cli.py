@@ -1,6 +1,7 @@
-"""``seqpar plan CONFIG --gpus N --gpu NAME``: which layout fits and is fastest, predicted.
+"""``seqpar plan CONFIG [key=value ...] --gpus N --gpu NAME``: which layout fits and is fastest, predicted.
 
-Searches the layouts of the config's model on N GPUs (see :mod:`seqpar.plan.search`), prints the
+Searches the layouts of the config's model (with ``key=value`` overrides as ``seqpar train`` takes
+them, e.g. ``model.seq_len=131072``) on N GPUs (see :mod:`seqpar.plan.search`), prints the
 fastest ``--top`` as a Markdown table and the exact ``seqpar train`` overrides of the best, or,
 with ``--layout``, the predicted step time and memory of one layout (exit status 1 if it does
 not fit). ``--gpu custom`` takes the figures from ``--peak-tflops``, ``--hbm-gib``,
@@ -20,6 +21,7 @@ from ..memory.formulas import load_sections
 from ..model.modes import RECOMPUTE_MODES
 from .gpus import GIB, GPU, GPUS, custom_gpu, get_gpu
 from .layout import Layout, Recompute, parse_layout
+from .memory import HEADROOM
 from .recompute import auto_recompute_layers, best_mix, stage_layer_ids
 from .report import breakdown, check_overrides, overrides, plot, table
 from .search import PAPER_SPACE, Candidate, Problem, SearchSpace, evaluate, search
@@ -33,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seqpar plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="run config: a YAML file or a shipped name (paper/175b)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides as seqpar train takes them, "
+                                                "e.g. model.seq_len=131072")
     p.add_argument("--gpus", type=int, required=True, help="GPUs in the job")
     p.add_argument("--gpu", required=True, help=f"one of {sorted(GPUS) + ['custom']}")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: the config's train.global_batch)")
@@ -42,6 +46,9 @@ def _parser() -> argparse.ArgumentParser:
                                     "sequence_parallel=true,recompute=selective")
     p.add_argument("--png", type=Path, help="plot memory per GPU and step time of the top layouts")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16", help="training precision (default bf16)")
+    p.add_argument("--headroom", type=float, default=HEADROOM, metavar="FRACTION",
+                   help=f"fraction of each GPU's memory a layout must leave free beyond the allowance "
+                        f"(default {HEADROOM:g})")
     p.add_argument("--space", choices=("all", "paper"), default="all",
                    help="paper: the paper's choices only (t=8, uniform recompute, no FSDP)")
     p.add_argument("--mixes", action="store_true", help="also rank per-layer recompute mixes")
@@ -91,7 +98,7 @@ def _config_layout(sections: dict, problem: Problem) -> Layout:
     mode = par.data_parallel_mode(dp) if hasattr(par, "data_parallel_mode") else "ddp"
     layout = Layout(par.tp, par.pp, dp, par.virtual_stages, train.micro_batch,
                     model.sequence_parallel and par.tp > 1, data_parallel=mode)
-    budget = problem.gpu.hbm_bytes / GIB
+    budget = problem.budget / GIB
     return replace(layout, recompute=_config_recompute(sections, layout, budget, problem.precision,
                                                        problem.global_batch))
 
@@ -100,13 +107,13 @@ def _mix_note(problem: Problem, best: Candidate) -> str | None:
     """A note on the per-layer mix with the fewest recomputed FLOPs for the best layout, if it helps."""
     if best.layout.recompute.kind in ("none", "mixed"):
         return None
-    mix = best_mix(problem.model, best.layout, problem.gpu.hbm_bytes, problem.global_batch, problem.precision)
+    mix = best_mix(problem.model, best.layout, problem.budget, problem.global_batch, problem.precision)
     if mix is None or sum(1 for _, k in mix.counts if k) < 2:
         return None
     c = evaluate(problem, replace(best.layout, recompute=mix))
     return (f"per-layer recompute {mix.label()} on every stage fits too ({c.memory.total / GIB:.1f} GiB) and is "
             f"predicted at {c.time.seconds:.2f} s ({c.time.seconds / best.time.seconds - 1:+.1%}); --mixes ranks mixes, "
-            f"model.recompute=auto train.memory_budget_gib={problem.gpu.hbm_bytes / GIB:.10g} trains one")
+            f"model.recompute=auto train.memory_budget_gib={problem.budget / GIB:.10g} trains one")
 
 
 def _print_search(args, problem: Problem, sections: dict, name: str) -> list[str]:
@@ -117,7 +124,9 @@ def _print_search(args, problem: Problem, sections: dict, name: str) -> list[str
     start = time.perf_counter()
     result = search(problem, space, k=args.top)
     print(f"## {name} on {problem.gpus} x {problem.gpu.name}: global batch {problem.global_batch}, "
-          f"{problem.gpus_per_node} GPUs per node, {problem.precision}, {problem.gpu.hbm_bytes / GIB:.1f} GiB per GPU")
+          f"{problem.gpus_per_node} GPUs per node, {problem.precision}, {problem.gpu.hbm_bytes / GIB:.1f} GiB per GPU"
+          + (f" ({problem.headroom:.0%} kept free: {problem.budget / GIB:.1f} GiB planned)"
+             if problem.headroom else ""))
     print(f"{result.evaluated} layouts evaluated, {len(result.ranked)} fit ({time.perf_counter() - start:.1f} s)\n")
     if not result.ranked:
         raise ValueError(f"no layout of {name} fits {problem.gpus} x {problem.gpu.name}; try more GPUs or "
@@ -134,8 +143,9 @@ def _print_search(args, problem: Problem, sections: dict, name: str) -> list[str
         print(f"the config's own layout ({own.label()}) ranks #{rank}: {result.ranked[rank - 1].time.seconds:.2f} s\n")
     best = top[0]
     items, notes = overrides(best.layout, problem.model, problem.global_batch, problem.precision,
-                             problem.gpu.hbm_bytes / GIB)
+                             problem.budget / GIB)
     print(f"best: {best.layout.label()}, predicted {best.time.seconds:.2f} s per step")
+    items = [*args.overrides, *items]
     print(f"seqpar train {args.config} " + " ".join(items))
     refused = check_overrides(args.config, items)
     notes += [n for n in (_mix_note(problem, best),) if n]
@@ -161,11 +171,11 @@ def run(args: argparse.Namespace, verify: Verify | None = None) -> int:
     if args.png is not None and importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--png needs matplotlib: pip install matplotlib (or pip install 'seqpar[plot]')")
     gpu = _gpu(args)
-    path, sections = load_sections(args.config)
+    path, sections = load_sections(args.config, args.overrides)
     batch = args.global_batch or sections["train"].global_batch
     if batch is None:
         raise ValueError(f"{args.config} sets no train.global_batch; pass --global-batch")
-    problem = Problem(sections["model"], args.gpus, gpu, batch, args.gpus_per_node, args.precision)
+    problem = Problem(sections["model"], args.gpus, gpu, batch, args.gpus_per_node, args.precision, args.headroom)
     name = path.stem.upper()
     if args.layout is None:
         items = _print_search(args, problem, sections, name)
@@ -179,7 +189,7 @@ def run(args: argparse.Namespace, verify: Verify | None = None) -> int:
 
 
 def main(argv: list[str] | None = None, *, verify: Verify | None = None) -> int:
-    args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
         return run(args, verify)
     except ValueError as err:

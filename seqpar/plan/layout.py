@@ -67,8 +67,15 @@ class Layout:
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
 
+    @property
+    def cp_comm(self) -> str:
+        """How the CP ranks exchange K/V: the ring (its steps overlap the attention) without pipeline
+        stages, the all-gather with them (``seqpar train`` refuses the ring with pp > 1)."""
+        return "ring" if self.pp == 1 else "allgather"
+
     def label(self) -> str:
-        dp = f"dp={self.dp}" + ("(fsdp)" if self.data_parallel == "fsdp" and self.dp > 1 else "")
+        fsdp = self.data_parallel == "fsdp" and self.dp * self.cp > 1  # FSDP2 shards over dp x cp
+        dp = f"dp={self.dp}" + ("(fsdp)" if fsdp else "")
         dp += f" cp={self.cp}" if self.cp > 1 else ""
         return (f"t={self.tp} p={self.pp} m={self.virtual_stages} {dp} b={self.micro_batch} "
                 f"sp={'on' if self.sequence_parallel else 'off'} rc={self.recompute.label()}")
@@ -98,8 +105,8 @@ def check_layout(layout: Layout, model: GPTConfig, gpus: int, global_batch: int,
         problems.append(f"virtual_stages={layout.virtual_stages} needs pp > 1")
     if layout.sequence_parallel and layout.tp == 1:
         problems.append("sequence_parallel needs tp > 1")
-    if layout.data_parallel == "fsdp" and layout.dp == 1:
-        problems.append("data_parallel=fsdp needs dp > 1")
+    if layout.data_parallel == "fsdp" and layout.dp * layout.cp == 1:
+        problems.append("data_parallel=fsdp needs dp x cp > 1")
     if layout.data_parallel == "fsdp" and layout.pp > 1:  # as the run config refuses it (seqpar.config.schema)
         problems.append(f"data_parallel=fsdp with pp={layout.pp}: pipeline stages reduce their gradients over dp "
                         f"themselves (ddp)")
@@ -129,10 +136,6 @@ def _context_problems(layout: Layout, model: GPTConfig) -> list[str]:
         check_context_layout(model.seq_len, layout.cp, layout.tp, layout.sequence_parallel)
     except ValueError as err:
         problems.append(str(err))
-    if layout.pp > 1:
-        problems.append(f"cp={layout.cp} with pp={layout.pp} is not modelled by the planner yet")
-    if layout.data_parallel == "fsdp":
-        problems.append(f"data_parallel=fsdp with cp={layout.cp} is not modelled by the planner yet")
     if model.attention_dropout > 0:
         problems.append(f"cp={layout.cp} needs attention_dropout 0 (got {model.attention_dropout})")
     return problems

@@ -14,9 +14,10 @@ Composed from :mod:`seqpar.memory`, which holds every byte formula:
   the embedding-dropout mask for each micro-batch the first model chunk holds at the peak
   (:func:`seqpar.memory.schedule.first_chunk_in_flight`) on the first stage; final LayerNorm
   input, output-layer input and fp32 logits on the last.
-* Backward transient: the gradients flowing back through one layer, at most that layer's stored
-  activations for one micro-batch, plus, while a checkpointed unit is recomputed, its activations
-  again (N layers under full recompute, the attention scores under selective).
+* Backward transient (:mod:`seqpar.memory.transient`): the gradients flowing back through one
+  layer, at most that layer's stored activations for one micro-batch, plus, while a checkpointed
+  unit is recomputed, its activations again (N layers under full recompute, the attention scores
+  under selective); under cp the attention kernel's fp32 working set of one ``[c, c]`` block.
 * Allowance: :data:`WORKSPACE_BYTES` for the CUDA context, cuBLAS workspaces and NCCL buffers, plus
   :data:`FRAGMENTATION` of everything else for the caching allocator's fragmentation.
 """
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from ..memory.params import layer_params, root_params, stage_params
 from ..memory.schedule import first_chunk_in_flight, in_flight_per_layer
 from ..memory.state import state_bytes_per_parameter, training_state_bytes
+from ..memory.transient import backward_transient_bytes, context_block_bytes
 from ..memory.whole_model import layer_bytes, outside_terms
 from ..model.config import GPTConfig
 from ..model.modes import RECOMPUTE_MODES, RecomputeMode
@@ -40,17 +42,20 @@ from .layout import Layout, micro_batches
 # cuBLAS workspaces, RNG states and small buffers (~0.5 GiB)
 WORKSPACE_BYTES = 2.5 * GIB
 FRAGMENTATION = 0.05        # of all tensor bytes: allocator blocks that cannot be reused
+# of the GPU's memory, left free by the layouts the search ranks (beyond the allowance above): the
+# formulas leave out a few percent (the ledger agrees within 3%), so a layout predicted at 99.9% of
+# the GPU is a gamble, not a plan; budgets (train.memory_budget_gib) are taken as given
+HEADROOM = 0.05
 ACTIVATION_BYTES = {"bf16": 2, "fp32": 4}  # the precisions the planner models
 STATE_PARTS = ("parameters", "gradients", "optimizer", "state_during_step")
 
 
 def state_parts(model: GPTConfig, layout: Layout, stage: int, precision: str) -> dict[str, float]:
     """Training-state bytes of one GPU of pipeline stage ``stage``, by :data:`STATE_PARTS`."""
-    t, p = layout.tp, layout.pp
-    shard = layout.dp * layout.cp  # FSDP2 shards over dp x cp: the CP ranks hold the same parameters
-    per = state_bytes_per_parameter(precision, layout.data_parallel, dp=shard)
+    t, p, shards = layout.tp, layout.pp, layout.dp * layout.cp  # FSDP2 shards over dp x cp
+    per = state_bytes_per_parameter(precision, layout.data_parallel, dp=shards)
     b = training_state_bytes(per, params=stage_params(model, t=t, pp=p, stage=stage),
-                             unit_params=layer_params(model, t), dp=shard,
+                             unit_params=layer_params(model, t), dp=shards,
                              root=root_params(model, t, first=stage == 0, last=stage == p - 1, pp=p))
     return {"parameters": b["parameters"], "gradients": b["gradients"], "optimizer": b["optimizer"],
             "state_during_step": b["step_transient"]}
@@ -83,6 +88,7 @@ class Memory:
     parts: dict[str, float]
     capacity: float
     stage: int
+    headroom: float = 0.0  # bytes of ``capacity`` the layout must leave free
 
     @property
     def total(self) -> float:
@@ -90,18 +96,29 @@ class Memory:
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.capacity
+        return self.total + self.headroom <= self.capacity
 
     def overflow(self) -> str:
         """Which term makes the layout overflow, and by how much (empty when it fits)."""
         if self.fits:
             return ""
-        over = self.total - self.capacity
+        over = self.total + self.headroom - self.capacity
+        if self.total <= self.capacity:
+            return (f"needs {self.total / GIB:.2f} GiB of {self.capacity / GIB:.2f} GiB on stage {self.stage}, "
+                    f"leaving less than the {self.headroom / GIB:.2f} GiB headroom (short by {over / GIB:.2f} GiB)")
         name, size = max(((k, v) for k, v in self.parts.items() if k != "workspace"), key=lambda kv: kv[1])
         cut = over / (1 + FRAGMENTATION)  # the allowance shrinks with it
-        return (f"needs {self.total / GIB:.2f} GiB of {self.capacity / GIB:.2f} GiB on stage {self.stage}, over by "
-                f"{over / GIB:.2f} GiB; the largest term, {name} ({size / GIB:.2f} GiB), would have to shrink by "
+        kept = f" less the {self.headroom / GIB:.2f} GiB headroom" if self.headroom else ""
+        return (f"needs {self.total / GIB:.2f} GiB of {self.capacity / GIB:.2f} GiB{kept} on stage {self.stage}, "
+                f"over by {over / GIB:.2f} GiB; the largest term, {name} ({size / GIB:.2f} GiB), would have to shrink by "
                 f"{cut / GIB:.2f} GiB to {(size - cut) / GIB:.2f} GiB")
+
+
+def context_transient(model: GPTConfig, layout: Layout) -> float:
+    """The context-parallel kernel's backward transient of ``layout`` (:func:`context_block_bytes`)."""
+    return float(context_block_bytes(heads=model.heads, seq_len=model.seq_len, micro_batch=layout.micro_batch,
+                                     t=layout.tp, cp=layout.cp, attention=model.attention, cp_comm=layout.cp_comm,
+                                     kv_heads=model.held_kv_heads(layout.tp) // layout.tp, head_dim=model.head_dim))
 
 
 def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, precision: str) -> dict[str, float]:
@@ -113,15 +130,9 @@ def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, pr
     if rc.kind == "full" and rc.method == "uniform":
         full_units = layout.virtual_stages * math.ceil(chunk / rc.num_layers)
     held = counts["none"] * per["none"] + counts["selective"] * per["selective"] + full_units * per["full"]
-    working = per["none"]  # the activation gradients of the layer in backward
-    if counts["full"]:
-        unit = rc.num_layers if (rc.kind == "full" and rc.method == "uniform") else 1
-        working += unit * per["none"]
-    elif counts["selective"]:
-        working += per["none"] - per["selective"]
-    if layout.cp > 1:  # the CP kernel's fp32 scores, probabilities and their gradient of one [c, c] block
-        c = model.seq_len // (2 * layout.cp)
-        working += 3 * 4 * layout.micro_batch * (model.heads // layout.tp) * c * c
+    unit = (rc.num_layers if (rc.kind == "full" and rc.method == "uniform") else 1) if counts["full"] else 0
+    working = backward_transient_bytes(per, unit_layers=unit, selective=bool(counts["selective"]))
+    working += context_transient(model, layout)
     parts = state_parts(model, layout, stage, precision)
     parts["activations"] = held * inflight_layers(layout, n_micro, stage)
     cfg = dims.with_sequence_parallel(model, layout.sequence_parallel)
@@ -152,12 +163,13 @@ def stage_memory(model: GPTConfig, layout: Layout, capacity: float, global_batch
 
 
 def memory_per_gpu(model: GPTConfig, layout: Layout, capacity: float, global_batch: int,
-                   precision: str = "bf16") -> Memory:
-    """Bytes per GPU by part on the busiest pipeline stage (the first, or the last for small p)."""
+                   precision: str = "bf16", headroom: float = 0.0) -> Memory:
+    """Bytes per GPU by part on the busiest pipeline stage (the first, or the last for small p);
+    it fits when ``headroom`` bytes of ``capacity`` are left free."""
     if precision not in ACTIVATION_BYTES:
         raise ValueError(f"precision must be one of {sorted(ACTIVATION_BYTES)}, got {precision!r}")
     n_micro = micro_batches(layout, global_batch)
     stages = {0} | {layout.pp - 1}
     best = max(((_stage_memory(model, layout, n_micro, r, precision), r) for r in stages),
                key=lambda pr: sum(pr[0].values()))
-    return Memory(best[0], capacity, best[1])
+    return Memory(best[0], capacity, best[1], headroom)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -35,6 +36,7 @@ class Entry:
     path: Path
 
 
+OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*=")  # model.seq_len=131072, not a path
 UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
 
 
@@ -49,10 +51,11 @@ def human(n: float, unit: str | None = None) -> str:
     return f"{n / UNITS[unit]:.2f} {unit}"
 
 
-def load_entry(path: str | Path, micro_batch: int | None = None, tp: int | None = None) -> Entry:
+def load_entry(path: str | Path, micro_batch: int | None = None, tp: int | None = None,
+               overrides: Sequence[str] = ()) -> Entry:
     """Read a config file or shipped config name (``model``, ``parallel``, ``train`` sections, checked
-    strictly; others ignored), with overrides. Errors name the path."""
-    path, sections = load_sections(path)
+    strictly; others ignored), with ``key=value`` ``overrides`` and the flags' values. Errors name the path."""
+    path, sections = load_sections(path, overrides)
     shape = shape_of(path.stem.upper(), sections)
     if micro_batch is not None:
         shape = dataclasses.replace(shape, b=micro_batch)
@@ -130,17 +133,29 @@ def plot(shapes: Sequence[ModelShape], path: str | Path) -> None:
     fig.savefig(path, dpi=150)
 
 
+def _check_layouts(entries: list[Entry]) -> list[Entry]:
+    """``entries``, each model's dimensions checked against its t (``--tp`` or ``parallel.tp``) and
+    its layers against pp x virtual_stages: a layout that cannot run is refused, naming the values."""
+    for e in entries:
+        try:
+            e.model.check_parallel(e.shape.t)
+        except ValueError as ex:
+            raise ValueError(f"{e.path}: {ex}") from None
+        if e.shape.p > 1 and e.model.layers % (e.shape.p * e.shape.m):
+            raise ValueError(f"{e.path}: model.layers={e.model.layers} is not divisible into pp x virtual_stages = "
+                             f"{e.shape.p} x {e.shape.m} pipeline stages")
+    return entries
+
+
 def _check_measurable(entries: Sequence[Entry]) -> None:
-    """Check each model's dimensions against its t before any rank is spawned."""
+    """Check each model's dimensions against its t before any rank is spawned (measured with
+    sequence parallelism, so the sequence must split over t too)."""
     for e in entries:
         cfg = e.model
         try:
             dataclasses.replace(cfg, sequence_parallel=True).check_parallel(e.shape.t)
         except ValueError as ex:
             raise ValueError(f"{e.path}: {ex}") from None
-        if e.shape.p > 1 and cfg.layers % (e.shape.p * e.shape.m):
-            raise ValueError(f"{e.path}: model.layers={cfg.layers} is not divisible into pp x virtual_stages = "
-                             f"{e.shape.p} x {e.shape.m} pipeline stages")
         if cfg.ffn_hidden != 4 * cfg.hidden:
             print(f"seqpar memory: note: {e.path}: ffn_hidden={cfg.ffn_hidden} != 4h; Table 2 assumes 4h",
                   file=sys.stderr)
@@ -174,8 +189,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seqpar memory", description=(
         "Activation memory per technique: Table 2 bytes per layer, per GPU (Figure 1) and relative to "
         "the TP baseline (Figure 7); --measure adds the bytes a small model keeps on t gloo ranks."))
-    p.add_argument("configs", nargs="*", type=Path, help="model YAML files (model/parallel/train sections) "
-                   "or shipped config names (memory-demo, paper/175b)")
+    p.add_argument("configs", nargs="*", help="model YAML files (model/parallel/train sections) or shipped "
+                   "config names (memory-demo, paper/175b), and key=value overrides for all of them as seqpar "
+                   "train takes them (model.seq_len=131072)")
     p.add_argument("--paper", action="store_true", help="the four models of Table 3 (the default with no configs)")
     p.add_argument("--measure", action="store_true", help="also measure saved bytes on t gloo ranks (small models); "
                    "with pp > 1 also the first pipeline stage's peak during one step, on pp x t ranks")
@@ -195,6 +211,19 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def split_overrides(items: Sequence[str]) -> tuple[list[Path], list[str]]:
+    """(config paths, ``key=value`` overrides) of the positional arguments."""
+    overrides = [x for x in items if OVERRIDE.match(x)]
+    return [Path(x) for x in items if not OVERRIDE.match(x)], overrides
+
+
+def _parse(argv: list[str]) -> argparse.Namespace:
+    """The parsed command line, its positional arguments split into ``configs`` and ``overrides``."""
+    args = _parser().parse_intermixed_args(argv)
+    args.configs, args.overrides = split_overrides(args.configs)
+    return args
+
+
 def err(msg: str) -> None:
     """Report a user error on stderr, prefixed like argparse's."""
     print(f"seqpar memory: error: {msg}", file=sys.stderr)
@@ -202,7 +231,7 @@ def err(msg: str) -> None:
 
 def main(argv: list[str]) -> int:
     """Entry point of ``seqpar memory``; returns the exit status (2 for bad input)."""
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     for name in ("micro_batch", "tp", "dp", "cp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             err(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
@@ -214,7 +243,7 @@ def main(argv: list[str]) -> int:
     if args.paper or not paths:
         paths = [paper_config_dir() / f"{n}.yaml" for n in PAPER_MODELS] + paths
     try:
-        entries = [load_entry(p, args.micro_batch, args.tp) for p in paths]
+        entries = _check_layouts([load_entry(p, args.micro_batch, args.tp, args.overrides) for p in paths])
     except (OSError, ValueError) as e:  # ConfigError is a ValueError; messages name the path
         err(str(e))
         return 2

@@ -80,8 +80,8 @@ def overrides(layout: Layout, model: GPTConfig, global_batch: int, precision: st
            f"model.sequence_parallel={'true' if layout.sequence_parallel else 'false'}"]
     if layout.pp > 1:
         out.insert(3, f"parallel.pp_schedule={_schedule(layout)}")
-    if layout.cp > 1:  # the planner models the ring: its K/V steps overlap the blocks' attention
-        out[4:4] = [f"parallel.cp={layout.cp}", "parallel.cp_comm=ring"]
+    if layout.cp > 1:  # the ring (its K/V steps overlap the attention); the all-gather with pipeline stages
+        out[4:4] = [f"parallel.cp={layout.cp}", f"parallel.cp_comm={layout.cp_comm}"]
     notes = []
     if rc.kind == "mixed":
         modes = layer_modes(rc, model.layers, layout.pp, layout.virtual_stages)

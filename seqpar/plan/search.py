@@ -1,9 +1,11 @@
 """Enumerate the layouts of a model on N GPUs, keep those that fit, rank them by predicted step time.
 
 The space: t dividing the GPUs of a node (TP stays on NVLink); p dividing the layers with t x p
-dividing N; dp = N / (t p); interleaving m dividing the layers of a stage (p > 1, micro-batches a
-multiple of p); micro-batch b dividing the batch per data-parallel rank; SP on or off (t > 1);
-DDP or FSDP (dp > 1); recompute none, selective, full (uniform, N = 1), and the per-layer mix with
+dividing N; context parallelism cp where the sequence cuts into 2 cp chunks (the ring's K/V
+exchange without pipeline stages, the all-gather's with them); dp = N / (t p cp); interleaving m
+dividing the layers of a stage (p > 1, micro-batches a multiple of p); micro-batch b dividing the
+batch per data-parallel rank; SP on or off (t > 1); DDP, or FSDP over dp x cp > 1 (p = 1);
+recompute none, selective, full (uniform, N = 1), and the per-layer mix with
 the fewest recomputed FLOPs that fits (:func:`seqpar.plan.recompute.best_mix`) when asked for.
 A mix is never faster than no recompute, so it is only searched where no recompute does not fit
 and could still reach the top ``k``.
@@ -18,7 +20,7 @@ from ..model.config import GPTConfig
 from ..model.modes import DATA_PARALLEL_MODES, RECOMPUTE_MODES
 from .gpus import GPU
 from .layout import Layout, Recompute, check_layout
-from .memory import Memory, memory_per_gpu
+from .memory import HEADROOM, Memory, memory_per_gpu
 from .recompute import best_mix
 from .timing import StepTime, step_time
 
@@ -60,12 +62,20 @@ class Problem:
     global_batch: int
     gpus_per_node: int = 8
     precision: str = "bf16"
+    headroom: float = HEADROOM  # fraction of each GPU's memory a layout must leave free
 
     def __post_init__(self) -> None:
         bad = {k: getattr(self, k) for k in ("gpus", "global_batch", "gpus_per_node")
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1}
         if bad:
             raise ValueError(f"need positive integers, got {bad}")
+        if not 0 <= self.headroom < 1:
+            raise ValueError(f"headroom must be a fraction in [0, 1), got {self.headroom}")
+
+    @property
+    def budget(self) -> float:
+        """Bytes per GPU a layout may use: the GPU's memory less the headroom."""
+        return self.gpu.hbm_bytes * (1 - self.headroom)
 
 
 def evaluate(problem: Problem, layout: Layout, checked: bool = False) -> Candidate:
@@ -74,7 +84,8 @@ def evaluate(problem: Problem, layout: Layout, checked: bool = False) -> Candida
     pr = problem
     if not checked:
         check_layout(layout, pr.model, pr.gpus, pr.global_batch, pr.gpus_per_node)
-    memory = memory_per_gpu(pr.model, layout, pr.gpu.hbm_bytes, pr.global_batch, pr.precision)
+    memory = memory_per_gpu(pr.model, layout, pr.gpu.hbm_bytes, pr.global_batch, pr.precision,
+                            headroom=pr.gpu.hbm_bytes - pr.budget)
     time = step_time(pr.model, layout, pr.gpu, pr.global_batch, pr.gpus_per_node, pr.precision)
     return Candidate(layout, memory, time)
 
@@ -85,12 +96,12 @@ def _divisors(n: int) -> list[int]:
 
 def _splits(problem: Problem, space: SearchSpace) -> Iterator[tuple[int, int, int, int]]:
     """``(t, p, cp, dp)`` with ``t`` dividing a node, ``p`` the layers, ``t p cp dp`` the GPUs
-    (cp > 1 only without pipeline stages, and where the sequence cuts into ``2 cp`` chunks)."""
+    (cp > 1 where the sequence cuts into ``2 cp`` chunks)."""
     pr, L = problem, problem.model.layers
     for t in (t for t in space.tp or _divisors(pr.gpus_per_node) if pr.gpus_per_node % t == 0):
         for p in (p for p in _divisors(L) if pr.gpus % (t * p) == 0):
             for cp in (c for c in space.cp or _divisors(pr.gpus // (t * p)) if (pr.gpus // (t * p)) % c == 0):
-                if cp > 1 and (p > 1 or pr.model.seq_len % (2 * cp)):
+                if cp > 1 and pr.model.seq_len % (2 * cp):
                     continue
                 dp = pr.gpus // (t * p * cp)
                 if pr.global_batch % dp == 0:
@@ -104,7 +115,7 @@ def families(problem: Problem, space: SearchSpace) -> Iterator[Layout]:
         for m in (_divisors(L // p) if p > 1 else [1]):
             for b in _divisors(pr.global_batch // dp):
                 for sp in (s for s in space.sequence_parallel if not s or t > 1):
-                    for mode in (d for d in space.data_parallel if d == "ddp" or (dp > 1 and cp == 1)):
+                    for mode in (d for d in space.data_parallel if d == "ddp" or dp * cp > 1):
                         layout = Layout(t, p, dp, m, b, sp, Recompute("none"), mode, cp)
                         try:
                             check_layout(layout, pr.model, pr.gpus, pr.global_batch, pr.gpus_per_node)
@@ -150,7 +161,7 @@ def search(problem: Problem, space: SearchSpace = SearchSpace(), k: int = 10) ->
             if "mixed" in space.recompute:
                 kth = times[k - 1] if len(times) >= k else float("inf")
                 if none_time is None or none_time < kth:  # a mix is never faster than no recompute
-                    mix = best_mix(problem.model, family, problem.gpu.hbm_bytes, problem.global_batch,
+                    mix = best_mix(problem.model, family, problem.budget, problem.global_batch,
                                    problem.precision)
                     if mix is not None and sum(1 for _, n in mix.counts if n) > 1:
                         add(evaluate(problem, replace(family, recompute=mix)))

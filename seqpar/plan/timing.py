@@ -23,9 +23,11 @@ One layer, one micro-batch, one GPU (:func:`layer_times`):
 One step (:func:`step_time`): ``n`` micro-batches at the pace of the slowest stage, the last (its
 layers, the logits and cross-entropy, 2m point-to-point exchanges of ``[s/t, b, h]`` with their
 ``GPU.p2p_latency``, exposed as in Megatron's schedules); the bubble, ``(p-1)/m`` of the other
-stages' time per micro-batch, i.e. ``(p-1)/(m n)`` of the ideal time; the data-parallel gradient
-all-reduce (fp32) over the dp group minus the backward of the last micro-batch it overlaps (DDP
-buckets), or FSDP's per-micro-batch gathers and reduce-scatters beyond the compute they overlap;
+stages' time per micro-batch, i.e. ``(p-1)/(m n)`` of the ideal time; the gradient all-reduce
+(fp32) over the dp x cp ranks (one collective: the CP ranks' shares summed, dp averaged) minus the
+backward of the last micro-batch it overlaps (DDP buckets; pipeline stages reduce after the
+schedule, nothing hidden), or FSDP's per-micro-batch gathers and reduce-scatters over dp x cp
+beyond the compute they overlap;
 and the optimizer step, memory-bound at :data:`OPTIMIZER_BYTES_PER_PARAM`. Left out: host-side
 launch overhead, the vocabulary-parallel cross-entropy's small all-reduces, the embedding
 gradient, and accumulating each micro-batch's weight gradients into fp32 (fused into the
@@ -36,7 +38,7 @@ Calibration: the two GEMM constants of :mod:`seqpar.plan.gpus` were fitted once,
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from ..model.config import GPTConfig
 from .. import flops
@@ -108,15 +110,20 @@ def layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str = "bf
 
 
 def _context_comm(model: GPTConfig, layout: Layout, gpu: GPU, u: int, core_f: float, core_b: float) -> tuple[float, float]:
-    """Exposed (forward, backward) seconds of the CP ring: ``cp - 1`` K/V steps forward, ``cp - 1``
-    K/V and ``cp`` fp32 K/V-gradient steps backward, each hidden behind the blocks' attention.
-    The CP ranks count as one node's (NVLink) when ``t x cp <= 8``, else they cross InfiniBand."""
+    """Exposed (forward, backward) seconds of the CP exchange (``layout.cp_comm``). The ring: ``cp - 1``
+    K/V steps forward, ``cp - 1`` K/V and ``cp`` fp32 K/V-gradient steps backward, each hidden
+    behind the blocks' attention. The all-gather (pipeline stages): one all-gather of K/V forward,
+    one more and a reduce-scatter of the K/V gradients backward, none hidden. The CP ranks count as
+    one node's (NVLink) when ``t x cp <= 8``, else they cross InfiniBand."""
     cp, t = layout.cp, layout.tp
     if cp == 1:
         return 0.0, 0.0
-    kv_heads = max(1, model.num_kv_heads // t)
+    kv_heads = model.held_kv_heads(t) // t
     block = 2 * (model.seq_len // cp) * layout.micro_batch * kv_heads * model.head_dim  # K and V elements
     bw = link_bandwidth(gpu, intra_node=t * cp <= 8)
+    if layout.cp_comm == "allgather":
+        gather = gather_seconds(cp * block * u, cp, bw) + gpu.collective_latency
+        return gather, 2 * gather
     fwd = (cp - 1) * (block * u / bw + gpu.p2p_latency)
     bwd = (cp - 1) * (block * u / bw + gpu.p2p_latency) + cp * (block * 4 / bw + gpu.p2p_latency)
     return max(0.0, fwd - core_f) + gpu.p2p_latency, max(0.0, bwd - core_b) + gpu.p2p_latency
@@ -173,26 +180,23 @@ class StepTime:
 
 def _data_parallel_seconds(model: GPTConfig, layout: Layout, gpu: GPU, gpus_per_node: int,
                            mb: float, backward_mb: float, n_micro: int) -> float:
-    """Exposed data-parallel communication of one step (DDP buckets, or FSDP per micro-batch); with
-    cp the gradients are summed over the CP ranks too (one more all-reduce)."""
-    if layout.dp * layout.cp == 1:
+    """Exposed communication of one step over the dp x cp ranks, whose gradients are reduced in one
+    collective (the CP ranks' shares summed, dp averaged): DDP's fp32 buckets all-reduced under the
+    last micro-batch's backward, or after the schedule with pipeline stages (nothing hidden); or
+    FSDP's gathers and fp32 reduce-scatters per micro-batch beyond the compute they overlap."""
+    ranks = layout.dp * layout.cp
+    if ranks == 1:
         return 0.0
     params = max(stage_params(model, t=layout.tp, pp=layout.pp, stage=r) for r in (0, layout.pp - 1))
-    if layout.cp > 1:
-        bw_cp = link_bandwidth(gpu, intra_node=layout.tp * layout.cp <= gpus_per_node)
-        cp_sum = all_reduce_seconds(4 * params, layout.cp, bw_cp)
-        if layout.dp == 1:
-            return max(cp_sum / model.layers, cp_sum - backward_mb)
-        return cp_sum + _data_parallel_seconds(model, replace(layout, cp=1), gpu, gpus_per_node, mb, backward_mb,
-                                               n_micro)
-    bw = link_bandwidth(gpu, intra_node=layout.tp * layout.dp <= gpus_per_node)
+    bw = link_bandwidth(gpu, intra_node=layout.tp * ranks <= gpus_per_node)
     if layout.data_parallel == "fsdp":
-        per_micro = 2 * gather_seconds(2 * params, layout.dp, bw) + gather_seconds(4 * params, layout.dp, bw)
-        first_layer = gather_seconds(2 * layer_params(model, layout.tp), layout.dp, bw)
+        per_micro = 2 * gather_seconds(2 * params, ranks, bw) + gather_seconds(4 * params, ranks, bw)
+        first_layer = gather_seconds(2 * layer_params(model, layout.tp), ranks, bw)
         return n_micro * (max(0.0, per_micro - mb) + first_layer)
-    comm = all_reduce_seconds(4 * params, layout.dp, bw)  # fp32 gradients
-    stage_layers = model.layers // layout.pp
-    return max(comm / stage_layers, comm - backward_mb)
+    comm = all_reduce_seconds(4 * params, ranks, bw)  # fp32 gradients
+    if layout.pp > 1:  # the stages reduce once the schedule is done
+        return comm
+    return max(comm / model.layers, comm - backward_mb)
 
 
 def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpus_per_node: int = 8,
@@ -209,10 +213,10 @@ def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpu
     logits_mb = sum(logits) + memory_seconds(gpu, CROSS_ENTROPY_BYTES_PER_LOGIT * s * b * v / t)
     p2p_mb = 0.0
     if p > 1:
-        bw = link_bandwidth(gpu, intra_node=t * layout.dp * p <= gpus_per_node)
+        bw = link_bandwidth(gpu, intra_node=t * layout.cp * layout.dp * p <= gpus_per_node)
         p2p_mb = 2 * m * (s * b * h * u / t / bw + gpu.p2p_latency)
     mb = layers_mb + logits_mb + p2p_mb  # the last stage, the slowest: it sets the pace
-    shard = layout.dp if layout.data_parallel == "fsdp" else 1
+    shard = layout.dp * layout.cp if layout.data_parallel == "fsdp" else 1
     params = max(stage_params(model, t=t, pp=p, stage=r) for r in (0, p - 1)) / shard
     parts = {"layers": n * layers_mb, "logits": n * logits_mb, "p2p": n * p2p_mb,
              "bubble": (layers_mb + p2p_mb) * (p - 1) / m,  # filling and draining the other stages

@@ -100,13 +100,13 @@ def required_collectives(run: ResolvedRun, r: RankRun) -> dict[tuple[str, str], 
         kind = "all_gather" if pc.cp_comm == "allgather" else "send_recv"
         need[("cp", kind)] = (f"attention's K/V exchange over cp ({pc.cp_comm})", 1)
     shards = run.dp * pc.cp
+    group = "dp x cp" if pc.cp > 1 and run.dp > 1 else ("cp" if pc.cp > 1 else "dp")  # mesh.dp_cp_group
     if run.dp_mode == "fsdp" and shards > 1:
-        group = "dp x cp" if pc.cp > 1 and run.dp > 1 else ("cp" if pc.cp > 1 else "dp")
         compute = 2 if r.precision == "bf16" else 4
         need[(group, "all_gather")] = ("FSDP2's parameter gathers", r.state["parameters"] * shards * compute / 4)
         need[(group, "reduce_scatter")] = ("FSDP2's gradient reduce-scatters", r.state["gradients"] * shards)
     elif run.dp > 1:
-        need[("dp", "all_reduce")] = ("the data-parallel gradient reduction", r.state["gradients"])
+        need[(group, "all_reduce")] = ("the data-parallel gradient reduction", r.state["gradients"])
     return need
 
 

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "(one process, any TP size it was trained with).")
     p.add_argument("checkpoint", help="a checkpoint folder (step_N) or a checkpoint dir holding 'latest'")
     p.add_argument("--prompt", default="def ", help="text to continue")
-    p.add_argument("--tokens", type=int, default=128, help="new tokens to sample")
+    p.add_argument("--tokens", type=int, default=128, help="new tokens to sample (>= 1; default 128)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)

@@ -20,9 +20,20 @@ from pathlib import Path
 LAUNCHER_ENV = "SEQPAR_LAUNCHER"  # set for the ranks this command starts: they leave error lines to it
 
 
+EXAMPLES = """examples:
+  seqpar train tiny-cpu --nproc-per-node 2 train.steps=100
+  seqpar train tiny-cpu --nproc-per-node 4 parallel.cp=2
+  seqpar train CONFIG.yaml data.source=MY_TEXTS data.tokenizer=HF_MODEL_DIR
+  torchrun --nproc-per-node 8 -m seqpar.train CONFIG.yaml parallel.tp=8
+
+Every key with its default and what it does: docs/training.md (data sources, tokenizers and
+blends: docs/data.md; checkpoints and resuming: docs/checkpoints.md)."""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="seqpar train", description="Train a GPT model with tensor + sequence "
-                                "parallelism and selective recomputation.")
+                                "parallelism and selective recomputation.", epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="YAML config (see configs/); omitted = built-in defaults")
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50 parallel.tp=2")
     p.add_argument("--nproc-per-node", type=int, default=None,

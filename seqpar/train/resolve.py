@@ -4,7 +4,8 @@ Every derived value the Trainer needs is computed here by one pure function (no
 ``torch.distributed``, no files): the data-parallel size from the world size, the pipeline's
 batch split, the accumulation steps, ``ddp`` or ``fsdp``, the pipeline schedule and its
 micro-batch check, and ``model.recompute: auto``'s per-layer modes. Nothing rewrites the config
-after it; the Trainer reads the frozen :class:`ResolvedRun`.
+after it: the Trainer reads the frozen :class:`ResolvedRun`, whose config is a read-only copy
+(:func:`seqpar.model.config.freeze`; assigning to any of its sections raises).
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 from ..config import RunConfig, TrainConfig
 from ..distributed.mesh import validate_layout
+from ..model.config import freeze
 from ..parallel.pipeline import check_microbatches, resolve_schedule
 from ..plan.recompute import resolve_recompute
 
@@ -28,6 +30,9 @@ class ResolvedRun:
     dp_mode: str              # "ddp" | "fsdp"
     schedule: str | None      # the pipeline schedule (None without pipeline stages)
     recompute_note: str | None = None  # what model.recompute: auto chose, for the header
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cfg", freeze(self.cfg))  # a read-only copy: the caller's config stays its own
 
 
 def _split_for_pipeline(tc: TrainConfig, pp: int, dp: int) -> TrainConfig:
@@ -54,7 +59,8 @@ def _auto_recompute(cfg: RunConfig, dp: int, device: str) -> tuple[RunConfig, st
 def resolve_run(cfg: RunConfig, world_size: int, device: str = "cpu") -> ResolvedRun:
     """Validate ``cfg`` and resolve it for ``world_size`` ranks on ``device`` (``"cpu"`` or
     ``"cuda"``: what ``recompute: auto`` plans for). Pure arithmetic on the config: every rank
-    raises the same ``ValueError`` before any collective. ``cfg`` itself is left untouched."""
+    raises the same ``ValueError`` before any collective. ``cfg`` itself is left untouched; the
+    run holds a read-only copy of it."""
     cfg.validate()
     pc = cfg.parallel
     dp = validate_layout(pc.tp, pc.dp, world_size, pc.pp, pc.cp)

@@ -37,6 +37,7 @@ from ..config import RunConfig, dump
 from ..data import Batch, data_streams, load_corpus, tokenizer_attachment
 from ..distributed.mesh import ParallelMesh, init_parallel
 from ..parallel.data_parallel import state_bytes, state_line
+from ..parallel.compile import compile_seconds
 from ..parallel.engines import build_engine
 from ..memory.probe import ActivationProbe
 from .checkpointing import CheckpointManager
@@ -159,7 +160,8 @@ class Trainer:
         self.checkpoints = CheckpointManager(self.run, module=self.model, parts=self.engine.parts,
                                              streams=self.engine.streams, optimizer=self.optimizer,
                                              batches=self.batches, attachments=self.attachments,
-                                             data=data_identity(self.corpus.tokens, self.corpus.tokenizer),
+                                             data=data_identity(self.corpus.tokens, self.corpus.tokenizer,
+                                                                list(zip(self.corpus.names, self.corpus.weights))),
                                              print=self.logger.print)
 
     def _throughput(self) -> Throughput:
@@ -311,12 +313,16 @@ class Trainer:
         try:
             self.resume()
             self._stop = StopRequest()
+            compile_start = compile_seconds()
             for step in range(self.start_step, self.tc.steps):
                 t0 = time.perf_counter()
                 m = self.train_step(step)
                 self.history["steps"].append(step + 1)
                 self.history["losses"].append(m.loss)
                 if step == self.start_step:  # measured during this first step; printed once
+                    compiled = self.engine.compile_line(compile_seconds() - compile_start)
+                    if compiled:
+                        self.logger.print(compiled)
                     self.logger.print(self.engine.memory_line())
                     self.logger.print(state_line(self.state))
                 self.log_step(step + 1, m, time.perf_counter() - t0)

@@ -1,4 +1,5 @@
-"""Ready :class:`~seqpar.dropin.Plan` s for Hugging Face ``transformers`` causal LMs.
+"""``seqpar.plans``: ready :class:`~seqpar.dropin.Plan` s for Hugging Face ``transformers`` causal
+LMs, for :func:`seqpar.parallelize` (``seqpar.plans.gpt2()``, ``seqpar.plans.llama()``).
 
 Both follow the paper's layout per block: norm (sequence shard) -> column-parallel projections
 (all-gather of the sequence fused in) -> attention on this rank's heads -> row-parallel output
@@ -10,8 +11,7 @@ full sequence as usual (and q / k leave their column layers with the full sequen
 """
 from __future__ import annotations
 
-from .spec import KVHeads
-from .tensor_parallel import Plan, Style
+from .dropin.spec import KVHeads, Plan, Style
 
 
 def gpt2() -> Plan:
