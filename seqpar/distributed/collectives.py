@@ -88,7 +88,7 @@ class CommCounter:
 
 
 _active_counters: list[CommCounter] = []
-_issuing = [0]  # > 0 while one of the collectives below is inside torch.distributed
+_pending = [0]  # torch.distributed operators recorded here and not yet seen by a recorder of them
 
 
 @contextmanager
@@ -97,36 +97,32 @@ def count_comm(counter: CommCounter | None = None) -> Iterator[CommCounter]:
     ``counter`` when given (a subclass may keep more, e.g. the group), else a new one."""
     counter = CommCounter() if counter is None else counter
     _active_counters.append(counter)
+    _pending[0] = 0
     try:
         yield counter
     finally:
         _active_counters.remove(counter)
+        _pending[0] = 0
 
 
-def issuing() -> bool:
-    """True while a collective of this module is being issued: a recorder of torch.distributed's
-    own operations (``seqpar train --dry-run``) leaves it to this module's record."""
-    return _issuing[0] > 0
+def claimed() -> bool:
+    """For a recorder of torch.distributed's own operators (``seqpar train --dry-run``), once per
+    operator it sees: True when the operator is one this module has just recorded (each of its
+    collectives is recorded right before it issues its one operator; a ring step, two per tensor)."""
+    if _pending[0] > 0:
+        _pending[0] -= 1
+        return True
+    return False
 
 
-def _record(kind: str, t: torch.Tensor, group: ProcessGroup | None = None) -> None:
+def _record(kind: str, t: torch.Tensor, group: ProcessGroup | None = None, ops: int = 1) -> None:
+    """Count one collective of ``kind`` on ``t`` over ``group``, issued next as ``ops`` operators."""
     if torch.compiler.is_compiling():  # a compiled graph's collectives are read off the graph
         return
     for c in _active_counters:
         c.add(kind, t.numel() * t.element_size(), group)
-
-
-def _issue(fn, *args, **kwargs):
-    """``fn(*args, **kwargs)``, a torch.distributed call of a collective recorded here, marked as
-    :func:`issuing` while a counter is active (no state touched otherwise: torch.compile sees a
-    plain call)."""
-    if not _active_counters or torch.compiler.is_compiling():
-        return fn(*args, **kwargs)
-    _issuing[0] += 1
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        _issuing[0] -= 1
+    if _active_counters:
+        _pending[0] += ops
 
 
 # --------------------------------------------------------------------------- collectives
@@ -137,7 +133,7 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = 
     if group_size(group) == 1:
         return None
     _record("all_reduce", x, group)
-    return _handle(_issue(dist.all_reduce, x, op=op, group=group, async_op=async_op), async_op)
+    return _handle(dist.all_reduce(x, op=op, group=group, async_op=async_op), async_op)
 
 
 def _handle(work, async_op: bool):
@@ -190,7 +186,7 @@ def all_gather_dim0(x: torch.Tensor, group: ProcessGroup | None, *, out: torch.T
     if out is None:
         out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
     _record("all_gather", out, group)
-    handle = _issue(_all_gather_single, out, x, group=group, async_op=async_op)
+    handle = _all_gather_single(out, x, group=group, async_op=async_op)
     return out, _handle(handle, async_op)
 
 
@@ -230,13 +226,13 @@ def reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup | None, *, async_op
     _record("reduce_scatter", x, group)
     if _uses_gloo(group):
         received = torch.empty_like(x)
-        work = _issue(dist.all_to_all_single, received, x, group=group, async_op=async_op)
+        work = dist.all_to_all_single(received, x, group=group, async_op=async_op)
         handle = _SumChunksOnWait(_handle(work, async_op), received, out, t)
         if async_op:
             return out, handle
         handle.wait()
         return out, None
-    handle = _issue(_reduce_scatter_single, out, x, group=group, async_op=async_op)
+    handle = _reduce_scatter_single(out, x, group=group, async_op=async_op)
     return out, _handle(handle, async_op)
 
 

@@ -19,7 +19,7 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
-from .collectives import ProcessGroup, _issue, _record, group_rank, group_size
+from .collectives import ProcessGroup, _record, group_rank, group_size
 
 CPComm = Literal["allgather", "ring"]
 CP_COMMS: tuple[CPComm, ...] = get_args(CPComm)
@@ -111,7 +111,7 @@ def ring_shift(tensors: list[torch.Tensor], cp: ContextParallel, tag: int = 0) -
     ops = []
     for i, (x, into) in enumerate(zip(tensors, received)):
         x = x.contiguous()
-        _record("send_recv", x, cp.group)
+        _record("send_recv", x, cp.group, ops=2)  # a send and a receive
         ops.append(dist.P2POp(dist.isend, x, cp.peer(1), cp.group, tag=tag * len(tensors) + i))
         ops.append(dist.P2POp(dist.irecv, into, cp.peer(-1), cp.group, tag=tag * len(tensors) + i))
-    return RingStep(_issue(dist.batch_isend_irecv, ops), received)
+    return RingStep(dist.batch_isend_irecv(ops), received)

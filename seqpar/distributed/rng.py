@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 TP_SEED_OFFSET = 2718
 DEVICE_KEY = "device_type"  # entry of RNGStreams.get_state() naming the generators' device type
@@ -50,6 +50,8 @@ def _copy(state: torch.Tensor) -> torch.Tensor:
     """A copy of a generator state. States are host bookkeeping, never model data: they stay real
     tensors even under a fake-tensor mode (``seqpar train --dry-run``), where a clone would be a
     fake tensor that ``set_rng_state`` cannot read."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is None:
+        return state.clone()
     with _disable_current_modes():
         return state.clone()
 

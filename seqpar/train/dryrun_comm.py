@@ -7,8 +7,8 @@ Two sources, one table (:class:`StepComm`):
   (``reduce_scatter`` even where gloo runs it as an all-to-all);
 * every other ``torch.distributed`` operation (FSDP2's gathers and reduce-scatters, the pipeline
   schedule's sends and receives, DDP's buckets, the Trainer's one world all-reduce) is seen at the
-  dispatcher, as the ``c10d`` operator it runs (:class:`RawCollectives`), except while seqpar's
-  collectives are issuing theirs.
+  dispatcher, as the ``c10d`` operator it runs (:class:`RawCollectives`), except the operators
+  seqpar's collectives issue right after recording themselves.
 
 Bytes follow :class:`~seqpar.distributed.collectives.CommCounter`: the full tensor a collective
 operates on (an all-gather's output, a reduce-scatter's input, an all-reduce's tensor, what a send
@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..distributed.collectives import CommCounter, ProcessGroup, count_comm, issuing
+from ..distributed.collectives import CommCounter, ProcessGroup, claimed, count_comm
 from ..distributed.mesh import ParallelMesh
 from ..model.gpt import Block
 
@@ -135,8 +135,8 @@ class StepComm(CommCounter):
 
 def count_c10d(comm: StepComm, func, args) -> None:
     """Count ``func(*args)`` into ``comm`` when it is a ``c10d`` operator that seqpar's collectives
-    did not issue."""
-    if func.namespace != "c10d" or issuing():
+    did not record themselves."""
+    if func.namespace != "c10d" or claimed():
         return
     name = func._schema.name.split("::")[-1]
     kind, index = C10D_OPS.get(name, (name, 0))
