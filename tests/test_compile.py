@@ -214,31 +214,36 @@ def _trainer_runs(rank, world, tmp, layouts):
     from seqpar.config import load_run_config
     from seqpar.train import train
     out = []
-    for tp, pp in layouts:
+    for tp, pp, precision in layouts:
         for compiled in (False, True):
-            settings = {"model.vocab_size": 64, "model.seq_len": 32, "model.hidden": 32, "model.heads": 4,
+            settings = {"train.precision": precision, "model.vocab_size": 64, "model.seq_len": 32, "model.hidden": 32, "model.heads": 4,
                         "model.layers": 2, "model.dropout": 0.1, "model.attention_dropout": 0.1,
                         "model.sequence_parallel": tp > 1, "model.recompute": "selective", "parallel.tp": tp,
                         "parallel.pp": pp, "train.steps": 3, "train.micro_batch": 2, "train.log_interval": 1,
                         "train.eval_interval": 0, "checkpoint.interval": 0, "train.compile": compiled}
-            run = tmp / f"{tp}{pp}{compiled}"
+            run = tmp / f"{tp}{pp}{precision}{compiled}"
             printed = io.StringIO()
             with contextlib.redirect_stdout(printed):
                 history = train(load_run_config(None, run_overrides(run, settings)),
                                 mesh=init_parallel(tp=tp, dp=1, pp=pp))
-            out.append((tp, pp, compiled, history["losses"], printed.getvalue()))
+            out.append((tp, pp, precision, compiled, history["losses"], printed.getvalue()))
     return out
 
 
 def test_trainer_compiles_blocks_in_plain_and_pipelined_steps_with_eager_losses(tmp_path):
-    runs = run_ranks(_trainer_runs, 2, tmp_path, tmp_path, [(2, 1), (1, 2)])[0]
-    by = {(tp, pp, c): (losses, text) for tp, pp, c, losses, text in runs}
-    for tp, pp in ((2, 1), (1, 2)):
-        (eager, _), (comp, text) = by[(tp, pp, False)], by[(tp, pp, True)]
-        assert max(abs(a - b) for a, b in zip(eager, comp)) <= 1e-5, (tp, pp, eager, comp)
+    """fp32 at t=2 (SP) and at pp=2: the eager losses; the paper's bf16 recipe at t=2: within bf16's
+    rounding of them (Inductor's fused bf16 kernels round differently)."""
+    layouts = [(2, 1, "fp32"), (1, 2, "fp32"), (2, 1, "bf16")]
+    runs = run_ranks(_trainer_runs, 2, tmp_path, tmp_path, layouts)[0]
+    by = {(tp, pp, p, c): (losses, text) for tp, pp, p, c, losses, text in runs}
+    for tp, pp, precision in layouts:
+        (eager, _), (comp, text) = by[(tp, pp, precision, False)], by[(tp, pp, precision, True)]
+        tolerance = 1e-5 if precision == "fp32" else 2e-2 * max(eager)
+        assert max(abs(a - b) for a, b in zip(eager, comp)) <= tolerance, (tp, pp, precision, eager, comp)
         line = next(x for x in text.splitlines() if x.startswith("compile:"))
         assert "compiled one by one" in line and "s compiling" in line, line
-    assert "2 transformer blocks" in by[(2, 1, True)][1] and "1 transformer block compiled" in by[(1, 2, True)][1]
+    assert "2 transformer blocks" in by[(2, 1, "fp32", True)][1]
+    assert "1 transformer block compiled" in by[(1, 2, "fp32", True)][1]
 
 
 # ------------------------------------------------------------------------------ traced collectives

@@ -1,5 +1,6 @@
 """Parallelism applied from outside the model: overlapped TP communication, FSDP2 or DDP over ``dp``,
 pipeline stages over ``pp``."""
+from .compile import compile_blocks, uncompile_blocks
 from .data_parallel import DataParallel, state_bytes
 from .fsdp import apply_fsdp
 from .grads import clip_grad_norm, sum_tied_grads, tied_embedding_group
@@ -10,7 +11,7 @@ from .stages import StageModule, build_stage_modules, check_stage_split, local_s
 from .timing import StepTiming, ideal_bubble
 from .tp_overlap import apply_tp_overlap
 
-__all__ = ["DataParallel", "apply_fsdp", "state_bytes", "PipelineParallel", "build_pipeline", "resolve_schedule", "SCHEDULES", "StageModule",
+__all__ = ["compile_blocks", "uncompile_blocks", "DataParallel", "apply_fsdp", "state_bytes", "PipelineParallel", "build_pipeline", "resolve_schedule", "SCHEDULES", "StageModule",
            "build_stage_modules", "check_stage_split", "local_stage_indices", "stage_layers", "clip_grad_norm",
            "sum_tied_grads", "tied_embedding_group", "StepTiming", "ideal_bubble",
            "PeakActivationLedger", "layers_in_flight", "apply_tp_overlap"]
