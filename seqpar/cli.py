@@ -1,6 +1,7 @@
 """``seqpar`` command line: ``seqpar train | generate | memory | bench ...``."""
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 
@@ -33,7 +34,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .config.errors import run_entry_point
     module = importlib.import_module(COMMANDS[name][0])
-    return run_entry_point(f"seqpar {name}", module.main, rest)
+    main_ = module.main
+    if name == "plan":  # seqpar plan --verify dry-runs the chosen layout (seqpar.train, above seqpar.plan)
+        from .train.dryrun_report import verify_plan
+        main_ = functools.partial(module.main, verify=verify_plan)
+    return run_entry_point(f"seqpar {name}", main_, rest)
 
 
 if __name__ == "__main__":

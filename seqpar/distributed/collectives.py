@@ -70,7 +70,8 @@ class CommCounter:
     calls: dict[str, int] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: str, nbytes: int, group: ProcessGroup | None = None) -> None:
+        """One collective of ``kind`` over ``group`` on a tensor of ``nbytes`` (see the class docstring)."""
         self.calls[kind] = self.calls.get(kind, 0) + 1
         self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
 
@@ -87,24 +88,41 @@ class CommCounter:
 
 
 _active_counters: list[CommCounter] = []
+_pending = [0]  # torch.distributed operators recorded here and not yet seen by a recorder of them
 
 
 @contextmanager
-def count_comm() -> Iterator[CommCounter]:
-    """Record every seqpar collective issued inside the block (forward and backward)."""
-    counter = CommCounter()
+def count_comm(counter: CommCounter | None = None) -> Iterator[CommCounter]:
+    """Record every seqpar collective issued inside the block (forward and backward), into
+    ``counter`` when given (a subclass may keep more, e.g. the group), else a new one."""
+    counter = CommCounter() if counter is None else counter
     _active_counters.append(counter)
+    _pending[0] = 0
     try:
         yield counter
     finally:
         _active_counters.remove(counter)
+        _pending[0] = 0
 
 
-def _record(kind: str, t: torch.Tensor) -> None:
+def claimed() -> bool:
+    """For a recorder of torch.distributed's own operators (``seqpar train --dry-run``), once per
+    operator it sees: True when the operator is one this module has just recorded (each of its
+    collectives is recorded right before it issues its one operator; a ring step, two per tensor)."""
+    if _pending[0] > 0:
+        _pending[0] -= 1
+        return True
+    return False
+
+
+def _record(kind: str, t: torch.Tensor, group: ProcessGroup | None = None, ops: int = 1) -> None:
+    """Count one collective of ``kind`` on ``t`` over ``group``, issued next as ``ops`` operators."""
     if torch.compiler.is_compiling():  # a compiled graph's collectives are read off the graph
         return
     for c in _active_counters:
-        c.add(kind, t.numel() * t.element_size())
+        c.add(kind, t.numel() * t.element_size(), group)
+    if _active_counters:
+        _pending[0] += ops
 
 
 # --------------------------------------------------------------------------- collectives
@@ -114,7 +132,7 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = 
     """In-place all-reduce of ``x``; returns the work handle when ``async_op``."""
     if group_size(group) == 1:
         return None
-    _record("all_reduce", x)
+    _record("all_reduce", x, group)
     return _handle(dist.all_reduce(x, op=op, group=group, async_op=async_op), async_op)
 
 
@@ -167,7 +185,7 @@ def all_gather_dim0(x: torch.Tensor, group: ProcessGroup | None, *, out: torch.T
     x = x.contiguous()
     if out is None:
         out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("all_gather", out)
+    _record("all_gather", out, group)
     handle = _all_gather_single(out, x, group=group, async_op=async_op)
     return out, _handle(handle, async_op)
 
@@ -205,7 +223,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup | None, *, async_op
         return x, None
     x = x.contiguous()
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("reduce_scatter", x)
+    _record("reduce_scatter", x, group)
     if _uses_gloo(group):
         received = torch.empty_like(x)
         work = dist.all_to_all_single(received, x, group=group, async_op=async_op)

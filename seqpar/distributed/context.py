@@ -111,7 +111,7 @@ def ring_shift(tensors: list[torch.Tensor], cp: ContextParallel, tag: int = 0) -
     ops = []
     for i, (x, into) in enumerate(zip(tensors, received)):
         x = x.contiguous()
-        _record("send_recv", x)
+        _record("send_recv", x, cp.group, ops=2)  # a send and a receive
         ops.append(dist.P2POp(dist.isend, x, cp.peer(1), cp.group, tag=tag * len(tensors) + i))
         ops.append(dist.P2POp(dist.irecv, into, cp.peer(-1), cp.group, tag=tag * len(tensors) + i))
     return RingStep(dist.batch_isend_irecv(ops), received)

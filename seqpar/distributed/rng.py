@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 TP_SEED_OFFSET = 2718
 DEVICE_KEY = "device_type"  # entry of RNGStreams.get_state() naming the generators' device type
@@ -43,6 +44,16 @@ def _set_device_state(device: torch.device, state: torch.Tensor) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
+
+
+def _copy(state: torch.Tensor) -> torch.Tensor:
+    """A copy of a generator state. States are host bookkeeping, never model data: they stay real
+    tensors even under a fake-tensor mode (``seqpar train --dry-run``), where a clone would be a
+    fake tensor that ``set_rng_state`` cannot read."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is None:
+        return state.clone()
+    with _disable_current_modes():
+        return state.clone()
 
 
 def _state_device_type(states: dict) -> str:
@@ -179,7 +190,7 @@ class RNGStreams:
 
     def get_state(self) -> dict:
         """Each stream's generator state, and under ``"device_type"`` the device type they belong to."""
-        return {**{k: v.clone() for k, v in self.states.items()}, DEVICE_KEY: self.device.type}
+        return {**{k: _copy(v) for k, v in self.states.items()}, DEVICE_KEY: self.device.type}
 
     def set_state(self, states: dict) -> None:
         """Put back :meth:`get_state`'s states. States of another device type reseed the streams
@@ -190,7 +201,7 @@ class RNGStreams:
         saved = _state_device_type(states)
         names = [k for k in states if k != DEVICE_KEY]
         if saved == self.device.type:
-            self._states = {k: states[k].clone() for k in names}
+            self._states = {k: _copy(states[k]) for k in names}
             return
         warnings.warn(f"dropout RNG streams saved on {saved} are restored on {self.device.type}: a {saved} "
                       f"generator state does not fit a {self.device.type} generator, so each stream is reseeded "

@@ -5,6 +5,7 @@ from typing import Literal
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
 from ..distributed.collectives import ProcessGroup, all_reduce, check_group, group_rank, group_size
 
@@ -105,7 +106,8 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, targets: torch.Tens
     if isinstance(vocab, bool) or not isinstance(vocab, int) or not 1 <= vocab <= padded:
         raise ValueError(f"vocab_size must be an int in [1, {padded}] (the logits' {padded} columns over TP), "
                          f"got {vocab_size!r}")
-    if targets.device.type == "cpu" and not torch.compiler.is_compiling():  # CUDA: checked where batches are made
+    checkable = targets.device.type == "cpu" and not is_fake(targets)  # no values under seqpar train --dry-run
+    if checkable and not torch.compiler.is_compiling():  # CUDA: checked where batches are made
         check_targets(targets, vocab, ignore_index)
     losses = _VocabParallelCrossEntropy.apply(local_logits, targets, tp_group, ignore_index, float(label_smoothing),
                                               vocab)

@@ -15,6 +15,8 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.multiprocessing.reductions import StorageWeakRef
 
 # module-name suffix -> the paper's name for what that module keeps (PAPER.md, Table 2 notes)
 TERMS = {
@@ -30,6 +32,13 @@ TERMS = {
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor has no storage of its own: count its local shard."""
     return getattr(t, "_local_tensor", t)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """What identifies ``t``'s storage: its address, or for a fake tensor (no data, address 0;
+    ``seqpar train --dry-run``) the storage object itself."""
+    storage = t.untyped_storage()
+    return storage._cdata if is_fake(t) else storage.data_ptr()
 
 
 def _refine(term: str, role: str, t: torch.Tensor) -> str:
@@ -86,18 +95,21 @@ class ActivationLedger:
         self.records: list[SavedTensor] = []
         self._stack: list[str] = []
         self._seen: set[int] = set()
-        self._layer_inputs: dict[int, str] = {}
+        self._layer_inputs: dict[int, tuple[str, StorageWeakRef]] = {}  # storage -> the layer it entered
         self._handles: list = []
 
     @staticmethod
     def _ptr(t: torch.Tensor) -> int:
-        return _local(t).untyped_storage().data_ptr()
+        return storage_key(_local(t))
 
     def _weights(self) -> set[int]:
-        """Storages of the parameters, buffers and ``exclude`` tensors the model holds now."""
-        return {self._ptr(w) for w in (*self.model.parameters(), *self.model.buffers(), *self._exclude)}
+        """Storages of the parameters, buffers and ``exclude`` tensors the model holds now (read from
+        the modules' own tables: a swap of compute copies or FSDP2's gathered ones is seen)."""
+        held = (t for m in self._holders for table in (m._parameters, m._buffers) for t in table.values())
+        return {self._ptr(w) for w in (*held, *self._exclude) if w is not None}
 
     def __enter__(self) -> "ActivationLedger":
+        self._holders = [m for m in self.model.modules() if m._parameters or m._buffers]
         self._skip = self._weights()
         self._modules = dict(self.model.named_modules())
         compiled = [name + "." for name, m in self._modules.items() if _is_compiled(m)]
@@ -127,8 +139,18 @@ class ActivationLedger:
             if m and m.group(2) is None:  # a transformer layer itself: remember its input
                 first = next((a for a in (*args, *kwargs.values()) if torch.is_tensor(a)), None)
                 if first is not None:
-                    self._layer_inputs.setdefault(self._ptr(first), name)
+                    key = self._ptr(first)
+                    if self.layer_input(key) is None:
+                        self._layer_inputs[key] = (name, StorageWeakRef(_local(first).untyped_storage()))
         return hook
+
+    def layer_input(self, key: int) -> str | None:
+        """The layer whose input lives in storage ``key``, if that storage is still alive (a freed
+        storage's address, or a fake one's, is soon another tensor's)."""
+        entry = self._layer_inputs.get(key)
+        if entry is None or entry[1].expired():
+            return None
+        return entry[0]
 
     def _post(self):
         def hook(module, args, output):
@@ -145,8 +167,8 @@ class ActivationLedger:
         m = self._layer_re.match(module)
         if m:
             layer, role = m.group(1), m.group(2) or ""
-        elif ptr in self._layer_inputs:  # saved outside the layers: full recompute's kept input
-            layer, role = self._layer_inputs[ptr], ""
+        elif self.layer_input(ptr) is not None:  # saved outside the layers: full recompute's kept input
+            layer, role = self.layer_input(ptr), ""
         else:
             layer, role = None, module
         term = _refine(TERMS.get(role, role or "other"), role, t)

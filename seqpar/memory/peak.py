@@ -30,7 +30,9 @@ def _unpack(x):
 
 class PeakActivationLedger(ActivationLedger):
     """Context manager: ``peak_layer_bytes`` (inside transformer layers, what Table 2 counts)
-    and ``peak_bytes`` (everything saved) of the live saved activations of ``model``.
+    and ``peak_bytes`` (everything saved) of the live saved activations of ``model``, and
+    ``outside_at_layer_peak`` (the most saved outside the layers while those are at their peak:
+    §4.3's terms).
 
     >>> with PeakActivationLedger(pipe.module) as ledger:
     ...     pipe.step(tokens, labels)
@@ -44,6 +46,7 @@ class PeakActivationLedger(ActivationLedger):
         self._during_backward = during_backward
         self._live: dict[int, list] = {}  # storage ptr -> [holders, bytes, inside a layer]
         self.live_bytes = self.live_layer_bytes = self.peak_bytes = self.peak_layer_bytes = 0
+        self.outside_at_layer_peak = 0  # the most bytes saved outside the layers while those are at their peak
 
     def __enter__(self) -> "PeakActivationLedger":
         super().__enter__()
@@ -55,7 +58,7 @@ class PeakActivationLedger(ActivationLedger):
     def _layer_of(self, ptr: int) -> str | None:
         module = self._stack[-1] if self._stack else ""
         m = self._layer_re.match(module)
-        return m.group(1) if m else self._layer_inputs.get(ptr)
+        return m.group(1) if m else self.layer_input(ptr)
 
     def _pack(self, saved: torch.Tensor):
         if not self._during_backward and torch._C._current_graph_task_id() != -1:  # a recompute's transient
@@ -78,7 +81,11 @@ class PeakActivationLedger(ActivationLedger):
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         if in_layer:
             self.live_layer_bytes += nbytes
-            self.peak_layer_bytes = max(self.peak_layer_bytes, self.live_layer_bytes)
+        if self.live_layer_bytes >= self.peak_layer_bytes:  # at the layer peak: the most saved outside them
+            outside = self.live_bytes - self.live_layer_bytes
+            same = self.live_layer_bytes == self.peak_layer_bytes
+            self.outside_at_layer_peak = max(self.outside_at_layer_peak, outside) if same else outside
+            self.peak_layer_bytes = self.live_layer_bytes
 
     def _release(self, ptr: int) -> None:
         entry = self._live.get(ptr)

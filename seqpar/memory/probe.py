@@ -41,6 +41,7 @@ class ActivationProbe:
     def __init__(self, model: nn.Module, device: torch.device):
         self.model, self.device = model, device
         self.measured: int | None = None
+        self.in_layers: int | None = None  # of it, inside the transformer layers (CPU: the ledger's)
 
     @contextlib.contextmanager
     def measure(self) -> Iterator[None]:
@@ -58,7 +59,7 @@ class ActivationProbe:
             return
         with ActivationLedger(self.model) as ledger:
             yield
-        self.measured = ledger.total()
+        self.measured, self.in_layers = ledger.total(), sum(ledger.per_layer().values())
 
     def line(self, cfg: GPTConfig, *, t: int, micro_batch: int, activation_bytes: int, cp: int = 1) -> str:
         """``activations: X MiB saved per rank, formula Y MiB (ratio R)``."""

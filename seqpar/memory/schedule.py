@@ -55,6 +55,20 @@ def in_flight_per_layer(*, pp_rank: int, pp: int, virtual_stages: int, n_microba
     return Fraction(chunks, virtual_stages)
 
 
+def first_chunk_in_flight(*, pp: int, virtual_stages: int, n_microbatches: int) -> int:
+    """Micro-batches the first stage's first model chunk (the one with the embedding) holds at the
+    stage's peak, under the schedule seqpar picks: ``min(n, p)`` for 1F1B; interleaved, the forward
+    chunks run in rounds of ``n_r`` micro-batches per chunk, so of the :func:`chunks_in_flight`
+    ``c`` the first chunk has ``n_r`` per full cycle of ``m n_r`` and up to ``n_r`` of the rest."""
+    if virtual_stages == 1 or pp == 1:
+        return min(n_microbatches, pp)
+    chunks = chunks_in_flight("Interleaved1F1B", pp_rank=0, pp=pp, virtual_stages=virtual_stages,
+                              n_microbatches=n_microbatches)
+    per_round = n_microbatches // max(1, n_microbatches // pp)
+    cycles, rest = divmod(chunks, virtual_stages * per_round)
+    return cycles * per_round + min(rest, per_round)
+
+
 def interleave_factor(p: int, m: int = 1) -> Fraction:
     """The first stage's layers in flight in units of ``L`` once the pipeline is full:
     ``1 + (p-1)/(pm)`` (§4.2.3); ``m == 1`` (plain 1F1B) gives 1."""
@@ -63,4 +77,5 @@ def interleave_factor(p: int, m: int = 1) -> Fraction:
     return in_flight_per_layer(pp_rank=0, pp=p, virtual_stages=m, n_microbatches=2 * p) / p if p > 1 else Fraction(1)
 
 
-__all__ = ["SCHEDULES", "chunks_in_flight", "in_flight_per_layer", "interleave_factor", "layers_in_flight"]
+__all__ = ["SCHEDULES", "chunks_in_flight", "first_chunk_in_flight", "in_flight_per_layer", "interleave_factor",
+           "layers_in_flight"]

@@ -30,7 +30,7 @@ from .context import build_context, context_mean_loss, position_rows, split_batc
 from .mlp import MLP
 from .norm import make_norm
 from .rope import RopeTables
-from .vocab import mask_padded_logits, pad_rows, padded_normal_init, trim_rows, true_dense_shapes
+from .vocab import check_token_ids, mask_padded_logits, pad_rows, padded_normal_init, trim_rows, true_dense_shapes
 
 
 class Dropout(nn.Module):
@@ -148,7 +148,8 @@ class GPT(nn.Module):
             if self.wpe is not None:
                 mark_sp_replicated(self.wpe)  # each rank adds the position rows of its own shard
             mark_sp_replicated(self.ln_f)
-        self.to(mesh.device)
+        if any(w.device != mesh.device for w in (*self.parameters(), *self.buffers())):
+            self.to(mesh.device)  # only when needed: fake tensors (seqpar.train.dryrun) cannot be swapped
         modes = config.layer_recompute()  # recompute: auto must have been resolved to per-layer modes
         self.set_recompute(config.recompute if modes is None else modes, config.recompute_method,
                            config.recompute_num_layers)
@@ -206,11 +207,7 @@ class GPT(nn.Module):
             check_context_layout(s, self.cp.size, self.tp_size, self.config.sequence_parallel)
         elif self.config.sequence_parallel and s % self.tp_size:
             raise ValueError(f"sequence length {s} is not divisible by t={self.tp_size} (sequence parallelism)")
-        v = self.config.vocab_size  # the padded rows must never be looked up (CUDA: left to the data checks)
-        on_cpu = tokens.device.type == "cpu" and not torch.compiler.is_compiling()
-        if on_cpu and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= v):
-            raise ValueError(f"token ids must lie in [0, {v}) (vocab_size), got min {int(tokens.min())} "
-                             f"max {int(tokens.max())}")
+        check_token_ids(tokens, self.config.vocab_size)  # the padded rows must never be looked up
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
         self._check_tokens(tokens)

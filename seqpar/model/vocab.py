@@ -56,6 +56,19 @@ def pad_rows(dense: Mapping[str, torch.Tensor], padded: int, names: Iterable[str
     return out
 
 
+def check_token_ids(tokens: torch.Tensor, vocab: int) -> None:
+    """Raise ``ValueError`` unless every id of ``tokens`` lies in ``[0, vocab)``: the padded rows
+    must never be looked up. Checked on CPU only (on CUDA it would be a host sync per batch; the
+    data is range-checked when opened), and not on tensors without values (the fake tensors of
+    ``seqpar train --dry-run``), nor while compiling."""
+    from torch._subclasses.fake_tensor import is_fake
+    if tokens.device.type != "cpu" or not tokens.numel() or is_fake(tokens) or torch.compiler.is_compiling():
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(f"token ids must lie in [0, {vocab}) (vocab_size), got min {low} max {high}")
+
+
 def mask_padded_logits(logits: torch.Tensor, vocab: int, vocab_start: int) -> torch.Tensor:
     """This rank's logits ``[..., v_pad/t]`` (columns from ``vocab_start``) with the columns at or
     past ``vocab`` set to -inf; returned as is when the rank holds no padding."""

@@ -45,6 +45,7 @@ class PipelineEngine(StepEngine):
             self.compiled = merge_reports(reports)
         self.parts, self.full_model = list(self.pipe.parts), None
         self.peak: int | None = None  # peak saved-activation bytes inside the layers, first step
+        self.peak_outside: int | None = None  # saved outside the layers at that peak (§4.3's terms)
 
     def forward_backward(self, micro_batches: Sequence[Batch], *, timed: bool = False) -> torch.Tensor:
         """The bf16 recipe runs the stages on bf16 copies and adds their grads into the fp32
@@ -53,11 +54,12 @@ class PipelineEngine(StepEngine):
         tokens = torch.cat([x for x, _ in micro_batches])
         labels = torch.cat([y for _, y in micro_batches])
         weights = prec.compute_weights(self.module)
-        ledger = PeakActivationLedger(self.module) if self.peak is None else None  # the first step only
+        # the first step only; what a recompute saves while backward runs is its transient, not in §4.2.3
+        ledger = PeakActivationLedger(self.module, during_backward=False) if self.peak is None else None
         with prec.weights_in(self.module, weights), prec.autocast(), ledger or contextlib.nullcontext():
             loss = self.pipe.step(tokens, labels, finish=weights is None, timed=timed)
         if ledger is not None:
-            self.peak = ledger.peak_layer_bytes
+            self.peak, self.peak_outside = ledger.peak_layer_bytes, ledger.outside_at_layer_peak
         if weights is not None:
             prec.accumulate(self.module, weights)
             self.pipe.finish_grads()

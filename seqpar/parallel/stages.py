@@ -21,7 +21,7 @@ from ..layers import column_parallel_linear, vocab_parallel_cross_entropy
 from ..model.config import GPTConfig
 from ..model.context import context_mean_loss, position_rows, split_batch, stream_rank
 from ..model.gpt import GPT
-from ..model.vocab import trim_rows
+from ..model.vocab import check_token_ids, trim_rows
 from ..recompute import RECOMPUTE_MODES, full_recompute_plan, layer_recompute_plan, run_plan
 from .. import sharding
 
@@ -117,8 +117,7 @@ class StageModule(nn.Module):
         cfg = self.config
         if tokens.dim() != 2 or tokens.shape[1] > cfg.seq_len:
             raise ValueError(f"the first stage expects tokens [batch, seq <= {cfg.seq_len}], got {tuple(tokens.shape)}")
-        if tokens.device.type == "cpu" and tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= cfg.vocab_size):
-            raise ValueError(f"token ids must lie in [0, {cfg.vocab_size}) (vocab_size)")
+        check_token_ids(tokens, cfg.vocab_size)
         tokens = split_batch(tokens, None, self.cp)[0]              # [b, s/cp]: this CP rank's chunks
         x = self.wte(tokens.t())                                    # [s/(cp t), b, h] (SP) or [s/cp, b, h]
         if self.wpe is not None:

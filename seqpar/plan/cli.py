@@ -13,17 +13,22 @@ import argparse
 import importlib.util
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 from ..memory.formulas import load_sections
 from ..model.modes import RECOMPUTE_MODES
-from .gpus import GIB, GPUS, custom_gpu, get_gpu
+from .gpus import GIB, GPU, GPUS, custom_gpu, get_gpu
 from .layout import Layout, Recompute, parse_layout
 from .memory import HEADROOM
 from .recompute import auto_recompute_layers, best_mix, stage_layer_ids
 from .report import breakdown, check_overrides, overrides, plot, table
 from .search import PAPER_SPACE, Candidate, Problem, SearchSpace, evaluate, search
+
+# --verify: (config, seqpar train overrides, GPUs, GPU) -> exit status; the dry run lives in
+# seqpar.train, above this package, so the seqpar command passes it in
+Verify = Callable[[str, list[str], int, GPU], int]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
                         ("--hbm-tbps", "custom: memory bandwidth, TB/s (default 2.039)")):
         p.add_argument(flag, type=float, help=help_)
     p.add_argument("--sms", type=int, help="custom: streaming multiprocessors (default 108)")
+    p.add_argument("--verify", action="store_true", help="then build the chosen layout (the best, or --layout) "
+                   "on fake tensors with seqpar train --dry-run --world GPUS and print it next to the prediction")
     return p
 
 
@@ -109,7 +116,8 @@ def _mix_note(problem: Problem, best: Candidate) -> str | None:
             f"model.recompute=auto train.memory_budget_gib={problem.budget / GIB:.10g} trains one")
 
 
-def _print_search(args, problem: Problem, sections: dict, name: str) -> None:
+def _print_search(args, problem: Problem, sections: dict, name: str) -> list[str]:
+    """Print the search; returns the ``seqpar train`` overrides of the best layout."""
     space = PAPER_SPACE if args.space == "paper" else SearchSpace()
     if args.mixes:
         space = replace(space, recompute=(*space.recompute, "mixed"))
@@ -148,10 +156,14 @@ def _print_search(args, problem: Problem, sections: dict, name: str) -> None:
     if args.png is not None:
         plot(top, args.png, f"{name} on {problem.gpus} x {problem.gpu.name}")
         print(f"wrote {args.png}")
+    return items
 
 
-def run(args: argparse.Namespace) -> int:
-    """Carry out a parsed ``seqpar plan`` command; ``ValueError`` for bad values."""
+def run(args: argparse.Namespace, verify: Verify | None = None) -> int:
+    """Carry out a parsed ``seqpar plan`` command; ``ValueError`` for bad values. ``verify``: what
+    ``--verify`` calls with the config, the chosen layout's overrides, the GPU count and the GPU."""
+    if args.verify and verify is None:
+        raise ValueError("--verify runs through the seqpar command (seqpar plan ... --verify)")
     bad = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("gpus", "gpus_per_node", "top", "global_batch")
            if getattr(args, k) is not None and getattr(args, k) < 1]
     if bad:
@@ -166,17 +178,20 @@ def run(args: argparse.Namespace) -> int:
     problem = Problem(sections["model"], args.gpus, gpu, batch, args.gpus_per_node, args.precision, args.headroom)
     name = path.stem.upper()
     if args.layout is None:
-        _print_search(args, problem, sections, name)
-        return 0
+        items = _print_search(args, problem, sections, name)
+        return verify(args.config, items, args.gpus, gpu) if args.verify else 0
     c = evaluate(problem, parse_layout(args.layout, args.gpus))
     print(breakdown(c))
+    if args.verify:
+        items = overrides(c.layout, problem.model, batch, problem.precision, gpu.hbm_bytes / GIB)[0]
+        return verify(args.config, items, args.gpus, gpu)
     return 0 if c.memory.fits else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, verify: Verify | None = None) -> int:
     args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     try:
-        return run(args)
+        return run(args, verify)
     except ValueError as err:
         print(f"seqpar plan: error: {err}", file=sys.stderr)
         return 2

@@ -141,6 +141,20 @@ def _context_problems(layout: Layout, model: GPTConfig) -> list[str]:
     return problems
 
 
+def run_layout(model: GPTConfig, *, tp: int, pp: int, dp: int, virtual_stages: int, micro_batch: int,
+               data_parallel: DataParallelMode, cp: int = 1, stage_layers: list[int] | None = None) -> Layout:
+    """The layout a resolved run trains with (``stage_layers``: the layers of the stage whose
+    per-layer recompute modes count, when ``model.recompute_layers`` is set)."""
+    modes = model.recompute_layers
+    if modes is not None:
+        mine = [modes[i] for i in (stage_layers if stage_layers is not None else range(len(modes)))]
+        recompute = Recompute("mixed", counts=tuple((m, mine.count(m)) for m in RECOMPUTE_MODES))
+    else:
+        recompute = Recompute(model.recompute, model.recompute_method, model.recompute_num_layers)
+    return Layout(tp, pp, dp, virtual_stages, micro_batch, model.sequence_parallel and tp > 1, recompute,
+                  data_parallel if dp > 1 else "ddp", cp)
+
+
 _KEYS = {"tp": int, "cp": int, "pp": int, "dp": int, "virtual_stages": int, "micro_batch": int, "sequence_parallel": bool,
          "recompute": str, "recompute_method": str, "recompute_num_layers": int, "data_parallel": str}
 

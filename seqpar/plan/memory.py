@@ -11,7 +11,8 @@ Composed from :mod:`seqpar.memory`, which holds every byte formula:
   the stage holds in flight (:func:`seqpar.memory.schedule.in_flight_per_layer`: stage r of a
   1F1B pipeline holds p - r micro-batches of its L/p layers; interleaved, the first stage holds
   §4.2.3's L (1 + (p-1)/(pm))). §4.3's terms (:func:`seqpar.memory.whole_model.outside_terms`):
-  the embedding-dropout mask for each in-flight micro-batch on the first stage; final LayerNorm
+  the embedding-dropout mask for each micro-batch the first model chunk holds at the peak
+  (:func:`seqpar.memory.schedule.first_chunk_in_flight`) on the first stage; final LayerNorm
   input, output-layer input and fp32 logits on the last.
 * Backward transient (:mod:`seqpar.memory.transient`): the gradients flowing back through one
   layer, at most that layer's stored activations for one micro-batch, plus, while a checkpointed
@@ -26,7 +27,7 @@ import math
 from dataclasses import dataclass
 
 from ..memory.params import layer_params, root_params, stage_params
-from ..memory.schedule import in_flight_per_layer
+from ..memory.schedule import first_chunk_in_flight, in_flight_per_layer
 from ..memory.state import state_bytes_per_parameter, training_state_bytes
 from ..memory.transient import backward_transient_bytes, context_block_bytes
 from ..memory.whole_model import layer_bytes, outside_terms
@@ -136,11 +137,29 @@ def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, pr
     parts["activations"] = held * inflight_layers(layout, n_micro, stage)
     cfg = dims.with_sequence_parallel(model, layout.sequence_parallel)
     outside = outside_terms(cfg, s=model.seq_len // layout.cp, b=layout.micro_batch, t=layout.tp, act=ACTIVATION_BYTES[precision],
-                            in_flight=min(layout.pp, n_micro), first=stage == 0, last=stage == layout.pp - 1)
+                            in_flight=first_chunk_in_flight(pp=layout.pp, virtual_stages=layout.virtual_stages,
+                                                             n_microbatches=n_micro),
+                            first=stage == 0, last=stage == layout.pp - 1)
     parts["outside_layers"] = float(sum(outside.values()))
     parts["backward_transient"] = working
-    parts["workspace"] = WORKSPACE_BYTES + FRAGMENTATION * sum(parts.values())
+    parts["workspace"] = allowance(parts)
     return parts
+
+
+def allowance(parts: dict[str, float]) -> float:
+    """What no tensor shows: :data:`WORKSPACE_BYTES` plus :data:`FRAGMENTATION` of ``parts`` (every
+    other term, in bytes)."""
+    return WORKSPACE_BYTES + FRAGMENTATION * sum(v for k, v in parts.items() if k != "workspace")
+
+
+def stage_memory(model: GPTConfig, layout: Layout, capacity: float, global_batch: int, stage: int,
+                 precision: str = "bf16") -> Memory:
+    """Bytes per GPU by part on pipeline stage ``stage`` (0 = first) of ``layout``."""
+    if precision not in ACTIVATION_BYTES:
+        raise ValueError(f"precision must be one of {sorted(ACTIVATION_BYTES)}, got {precision!r}")
+    if not 0 <= stage < layout.pp:
+        raise ValueError(f"stage must lie in [0, {layout.pp}), got {stage}")
+    return Memory(_stage_memory(model, layout, micro_batches(layout, global_batch), stage, precision), capacity, stage)
 
 
 def memory_per_gpu(model: GPTConfig, layout: Layout, capacity: float, global_batch: int,

@@ -60,6 +60,19 @@ class StepMetrics:
     skipped: bool = False  # non-finite loss/grads under train.nonfinite_grads=skip: no optimizer step
 
 
+def step_flags(loss_sum: torch.Tensor, stop: bool, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
+    """The step's one world all-reduce (:meth:`Trainer.agree`), before the host reads it: float64
+    ``[mean loss over the world, ranks asking to stop, ranks with a non-finite grad norm, grad norm]``."""
+    device = loss_sum.device
+    norm = torch.zeros((), device=device) if grad_norm is None else grad_norm.detach().to(device)
+    flag = torch.stack([loss_sum.double(), torch.full((), float(stop), dtype=torch.float64, device=device),
+                        (~torch.isfinite(norm)).double()])
+    if dist.is_initialized():
+        dist.all_reduce(flag)
+        flag[0] /= dist.get_world_size()
+    return torch.cat([flag, norm.double().view(1)])
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -206,14 +219,7 @@ class Trainer:
         """One world all-reduce and one host read per step: the mean of ``loss_sum`` over the world
         (= over dp; TP replicas agree), whether any rank passed ``stop`` and whether ``grad_norm``
         is finite on every rank. Returns ``(loss, stop, finite, grad_norm)``, identical on all ranks."""
-        device = loss_sum.device
-        norm = torch.zeros((), device=device) if grad_norm is None else grad_norm.detach().to(device)
-        flag = torch.stack([loss_sum.double(), torch.full((), float(stop), dtype=torch.float64, device=device),
-                            (~torch.isfinite(norm)).double()])
-        if dist.is_initialized():
-            dist.all_reduce(flag)
-            flag[0] /= dist.get_world_size()
-        loss, stops, nonfinite, gnorm = torch.cat([flag, norm.double().view(1)]).tolist()
+        loss, stops, nonfinite, gnorm = step_flags(loss_sum, stop, grad_norm).tolist()
         return loss, stops > 0, not nonfinite > 0, gnorm
 
     @property

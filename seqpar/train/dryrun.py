@@ -1,0 +1,262 @@
+"""A dry run: one rank of a run at its real scale, built and stepped on this machine (``seqpar train --dry-run``).
+
+Rank ``R`` of a job of ``N`` ranks is built through the code that trains it: the run resolved by
+:func:`~seqpar.train.resolve.resolve_run`, the mesh of :func:`~seqpar.distributed.mesh.init_parallel`
+over a fake process group of ``N`` ranks (``torch.testing``'s ``FakeStore``, backend ``"fake"``:
+collectives return at once, nothing is sent), and under ``FakeTensorMode`` (tensors with shapes,
+dtypes and devices but no storage) the step engine of :func:`~seqpar.parallel.engines.build_engine`
+(this rank's layers and shards only, FSDP2 or its pipeline stages), the precision recipe and AdamW.
+It then runs one optimizer step as :meth:`Trainer.train_step <seqpar.train.trainer.Trainer.train_step>`
+does, on fake token batches: every micro-batch's forward and backward (a pipeline rank: one
+schedule's worth), the clip, the step's world all-reduce, the optimizer step. What is measured is
+read from those tensors: training-state bytes (:func:`~seqpar.parallel.data_parallel.state_bytes`),
+the peak of the saved activations (the engines' own ledgers), every collective by kind, group and
+bytes (:mod:`seqpar.train.dryrun_comm`). No data is read and nothing is written.
+
+What a fake run cannot read is a tensor's value. Where seqpar checks values (token ids in range)
+it skips fake tensors; the pipeline schedule's warm-up vote (every stage has static shapes) is
+answered as the peers would answer it (:class:`FakeRun`); any other read stops the run naming
+the line.
+"""
+from __future__ import annotations
+
+import contextlib
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch.nn.modules.module import register_module_module_registration_hook
+
+from ..config.errors import UserError, is_user_error
+from ..distributed.mesh import ParallelMesh, init_parallel
+from ..memory.probe import ActivationProbe
+from ..model.gpt import Block
+from ..parallel.data_parallel import state_bytes
+from ..parallel.engine import StepEngine
+from ..parallel.engines import build_engine
+from ..parallel.pipeline_engine import PipelineEngine
+from .dryrun_comm import count_c10d, group_names, record_step
+from .optim import build_optimizer
+from .precision import Precision, resolve_precision
+from .resolve import ResolvedRun
+from .trainer import step_flags
+
+
+@dataclass
+class RankRun:
+    """What the dry run of one rank built and measured."""
+
+    rank: int
+    world: int
+    coords: dict[str, tuple[int, int]]  # "pp" / "dp" / "cp" / "tp" -> (this rank's index, size)
+    stages: list[int]                   # pipeline stages (model chunks) this rank holds
+    layers_built: int                   # transformer layers built on this rank (kept or not)
+    parameters: int                     # parameters on this rank (its shards)
+    micro_batches: int                  # micro-batches of the step on this rank
+    state: dict[str, int]               # parameters / gradients / optimizer bytes after the step
+    saved: dict[str, int]               # peak saved activations: "layers", "outside_layers"
+    comm: list[dict]                    # StepComm.table(): collectives by group and kind
+    precision: str                      # the resolved train.precision
+    seconds: float = 0.0
+    peak_rss: int = 0                   # bytes: the process's peak resident memory during the rank's run
+    notes: list[str] = field(default_factory=list)
+
+
+class FakeRun(FakeTensorMode):
+    """``FakeTensorMode`` for a dry run. Real tensors met inside (generator states) are converted,
+    never computed on. The ``c10d`` operators are counted into ``comm`` when set (one Python mode,
+    not two, on every operator). And it answers what a fake run cannot compute, a tensor's value,
+    where the peers' answer is known: the pipeline schedule's warm-up vote (``_warmup_p2p``: 1,
+    every stage has static shapes, as seqpar gives every stage its input and output shapes); a
+    constant the mode knows (AdamW's step count) is read as usual; any other read raises naming
+    the line."""
+
+    def __init__(self):
+        super().__init__(allow_non_fake_inputs=True)
+        self.comm = None
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if self.comm is not None:
+            count_c10d(self.comm, func, args)
+        if func is not torch.ops.aten._local_scalar_dense.default:
+            return super().dispatch(func, types, args, kwargs)
+        try:
+            return super().dispatch(func, types, args, kwargs)
+        except DataDependentOutputException:
+            frame = sys._getframe(1)
+            while frame is not None:
+                code = frame.f_code
+                if code.co_name == "_warmup_p2p" and "pipelining" in code.co_filename:
+                    return 1
+                frame = frame.f_back
+            raise RuntimeError(f"the step reads a tensor's value ({_caller()}), which a dry run on fake tensors "
+                               f"cannot; values may be read only outside the training step") from None
+
+
+def _caller() -> str:
+    """The innermost frame of the current stack outside torch and this module, as ``file:line (function)``."""
+    skip = (str(Path(torch.__file__).parent), __file__)
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame = frame.f_back
+    if frame is None:
+        return "inside torch"
+    return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+@contextlib.contextmanager
+def fake_world(world: int, rank: int) -> Iterator[None]:
+    """The default process group as rank ``rank`` of ``world`` fake ranks, destroyed after."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        raise UserError("a dry run needs a process without a process group (it makes a fake one of its own)")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def reset_peak_rss() -> None:
+    """Start the process's peak resident memory afresh (Linux; elsewhere the peak of the process)."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def peak_rss() -> int:
+    """Bytes: the process's peak resident memory since :func:`reset_peak_rss`."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def fake_batches(run: ResolvedRun) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The step's micro-batches on this rank: ``accum`` pairs of token ids ``[micro_batch, seq_len]``
+    (fake under the caller's FakeTensorMode: shapes only)."""
+    shape = (run.cfg.train.micro_batch, run.cfg.model.seq_len)
+    return [(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)) for _ in range(run.accum)]
+
+
+def build(run: ResolvedRun, mesh: ParallelMesh, device: str) -> tuple[StepEngine, torch.optim.Optimizer, Precision]:
+    """This rank's step engine, AdamW and precision recipe, as :class:`~seqpar.train.trainer.Trainer`
+    builds them; ``device`` ("cuda" / "cpu"): what ``train.precision: auto`` resolves for."""
+    tc = run.cfg.train
+    precision = Precision(resolve_precision(tc.precision, torch.device(device)), mesh.device,
+                          fsdp=run.dp_mode == "fsdp")
+    if run.dp_mode == "ddp" and mesh.dp_size > 1 and mesh.pp_size == 1 and not precision.master_weights:
+        raise UserError(f"data_parallel=ddp over dp={mesh.dp_size} in {precision.name} runs torch's "
+                        f"DistributedDataParallel, whose C++ reducer needs real tensors: a dry run cannot build it "
+                        f"(train.precision=bf16 reduces through seqpar's own gradient buckets, "
+                        f"parallel.data_parallel=fsdp through FSDP2)")
+    engine = build_engine(run.cfg, mesh, accum=run.accum, precision=precision, probe=ActivationProbe)
+    precision.check_model(engine.module)
+    optimizer = build_optimizer(engine.module, lr=tc.lr, weight_decay=tc.weight_decay, betas=(tc.beta1, tc.beta2))
+    return engine, optimizer, precision
+
+
+@contextlib.contextmanager
+def count_built_layers() -> Iterator[list[torch.nn.Module]]:
+    """Inside the block, every transformer layer (:class:`~seqpar.model.gpt.Block`) made part of a
+    module, each once, whether or not the rank keeps it: a pipeline rank must build only its own."""
+    built: list[torch.nn.Module] = []
+
+    def hook(parent, name, module):
+        if isinstance(module, Block) and not any(m is module for m in built):
+            built.append(module)
+
+    handle = register_module_module_registration_hook(hook)
+    try:
+        yield built
+    finally:
+        handle.remove()
+
+
+def saved_activations(engine: StepEngine) -> dict[str, int]:
+    """The peak saved activations the engine measured in its first step, inside and outside the layers."""
+    if isinstance(engine, PipelineEngine):
+        return {"layers": engine.peak or 0, "outside_layers": engine.peak_outside or 0}
+    layers, total = engine.probe.in_layers or 0, engine.probe.measured or 0
+    return {"layers": layers, "outside_layers": total - layers}
+
+
+def step(run: ResolvedRun, engine: StepEngine, optimizer: torch.optim.Optimizer, names: dict[str, str],
+         mode: FakeRun | None = None):
+    """One optimizer step in :meth:`Trainer.train_step`'s order; returns ``(StepComm, state bytes)``.
+    ``mode``: the dry run's :class:`FakeRun`, which counts the ``c10d`` operators (else a
+    :class:`~seqpar.train.dryrun_comm.RawCollectives` mode does)."""
+    with record_step(engine.module, names, raw=mode is None) as comm:
+        if mode is not None:
+            mode.comm = comm
+        loss_sum = engine.forward_backward(fake_batches(run))
+        grad_norm = engine.clip(run.cfg.train.grad_clip)
+        step_flags(loss_sum, False, grad_norm)
+        optimizer.step()
+    if mode is not None:
+        mode.comm = None
+    state = state_bytes(engine.module, optimizer)
+    optimizer.zero_grad(set_to_none=True)
+    return comm, state
+
+
+def step_group_names(mesh: ParallelMesh, engine: StepEngine) -> dict[str, str]:
+    """The labels of the groups a step of ``engine`` talks over (:func:`~seqpar.train.dryrun_comm.group_names`
+    with the pipeline's tied first + last stage pair)."""
+    tied = getattr(getattr(engine, "pipe", None), "tied_group", None)
+    return group_names(mesh, {"first + last stage": tied})
+
+
+def _coords(mesh: ParallelMesh) -> dict[str, tuple[int, int]]:
+    return {"pp": (mesh.pp_rank, mesh.pp_size), "dp": (mesh.dp_rank, mesh.dp_size),
+            "cp": (mesh.cp_rank, mesh.cp_size), "tp": (mesh.tp_rank, mesh.tp_size)}
+
+
+def _run_rank(run: ResolvedRun, rank: int, device: str) -> RankRun:
+    pc = run.cfg.parallel
+    with fake_world(run.world_size, rank):
+        mesh = init_parallel(pc.tp, run.dp, pp=pc.pp, cp=pc.cp)
+        if mesh.cp_size > 1:
+            mesh.dp_cp_mesh  # DeviceMesh's index tensors are host bookkeeping: made now, real, and cached
+        with FakeRun() as mode:
+            with count_built_layers() as built:
+                engine, optimizer, precision = build(run, mesh, device)
+            layers_built = len(built)
+            del built
+            comm, state = step(run, engine, optimizer, step_group_names(mesh, engine), mode)
+        return RankRun(rank=rank, world=run.world_size, coords=_coords(mesh),
+                       stages=[getattr(p, "index", 0) for p in engine.parts], layers_built=layers_built,
+                       parameters=sum(p.numel() for p in engine.module.parameters()), micro_batches=run.accum,
+                       state=state, saved=saved_activations(engine), comm=comm.table(), precision=precision.name)
+
+
+def dry_run_rank(run: ResolvedRun, rank: int, device: str = "cuda") -> RankRun:
+    """Build rank ``rank`` of ``run`` on fake tensors and run one step (module docstring); a
+    ``ValueError`` from the build is re-raised as a :class:`UserError` naming the rank."""
+    if not 0 <= rank < run.world_size:
+        raise UserError(f"--rank {rank} is not a rank of a job of {run.world_size} (0 ... {run.world_size - 1})")
+    reset_peak_rss()
+    start = time.perf_counter()
+    try:
+        out = _run_rank(run, rank, device)
+    except ValueError as err:
+        if not is_user_error(err):
+            raise
+        raise UserError(f"rank {rank} of {run.world_size}: {err}") from err
+    out.seconds, out.peak_rss = time.perf_counter() - start, peak_rss()
+    return out
+
+
+def default_ranks(world: int, pp: int) -> list[int]:
+    """The first rank of the first and of the last pipeline stage."""
+    return sorted({0, (pp - 1) * (world // pp)})
+
+
+__all__ = ["FakeRun", "RankRun", "build", "count_built_layers", "default_ranks", "dry_run_rank", "fake_batches",
+           "fake_world", "peak_rss", "reset_peak_rss", "saved_activations", "step", "step_group_names"]
