@@ -151,6 +151,34 @@ def layer_recompute_plan(modes: Sequence[str]) -> list[tuple[int, int, bool]]:
 # checkpoint policy the compiler honours: every op of the attention core is recomputed
 # (selective), everything else is saved, exactly as the eager step keeps it (none). The min-cut
 # partitioner would otherwise pick its own recomputation and change Table 2's bytes.
+# the stream state a dropout advances is a side effect inside the checkpointed region; it must
+# happen once (forward), never again in recomputation
+COMPILE_OPTIONS = {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
+COMPILED_MARK = "_seqpar_compiled_block"  # set on the forward seqpar.parallel.compile gives a block
+
+
+def is_compiled_block(module) -> bool:
+    """Whether ``module``'s forward is a compiled block's (:mod:`seqpar.parallel.compile`)."""
+    return module is not None and bool(getattr(module.__dict__.get("forward"), COMPILED_MARK, False))
+
+
+def compile_unsupported(config, cp: int = 1) -> str | None:
+    """Why blocks of ``config`` (a GPTConfig) at context-parallel size ``cp`` cannot be compiled yet,
+    or None: ``train.compile=auto`` runs such a run eagerly, ``true`` refuses it with this line."""
+    missing = [k for k in COMPILE_OPTIONS if not hasattr(torch._dynamo.config, k)]
+    if missing:
+        return (f"train.compile needs a PyTorch whose torch._dynamo.config has {missing} (this is "
+                f"{torch.__version__}); upgrade PyTorch or set train.compile=false")
+    if cp > 1:
+        return (f"train.compile supports parallel.cp = 1 only (got cp={cp}): context-parallel attention "
+                f"exchanges K/V with point-to-point calls the compiler does not trace yet")
+    if config is not None and config.attention == "sdpa" and config.attention_dropout > 0:
+        return (f"train.compile with model.attention=sdpa needs model.attention_dropout=0 (got "
+                f"{config.attention_dropout}): the fused kernel draws its mask from the default generator, "
+                f"which a compiled block cannot swap; use model.attention=math for attention dropout")
+    return None
+
+
 _SDPA_KERNELS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
                  "_scaled_dot_product_attention_math", "scaled_dot_product_attention")

@@ -288,7 +288,8 @@ def test_layers_take_collectives_that_return_tensors_instead_of_handles(tmp_path
 
 def test_auto_compiles_on_cuda_only_where_supported_and_true_names_the_reason():
     """The H200 run: with auto on CUDA, a cp=2 run failed on the refusal meant for train.compile=true."""
-    from seqpar.parallel.compile import compile_enabled, unsupported
+    from seqpar.parallel.compile import compile_enabled
+    from seqpar.recompute import compile_unsupported as unsupported
     plain, sdpa = _config(GPT2, "none", 0.1), _config(GPT2, "none", 0.1, attention="sdpa")
     assert compile_enabled("auto", torch.device("cuda"), plain) is True
     assert compile_enabled("auto", torch.device("cpu"), plain) is False

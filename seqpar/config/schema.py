@@ -14,6 +14,7 @@ from typing import Iterable, Literal
 
 from ..distributed.context import CP_COMMS, CPComm, check_context_layout
 from ..model.config import Freezable, GPTConfig
+from ..recompute import compile_unsupported
 from ..model.modes import DATA_PARALLEL_MODES, PRECISION_SETTINGS, DataParallelMode, PrecisionSetting
 from . import loader
 from .shipped import resolve_config
@@ -224,12 +225,8 @@ class RunConfig(Freezable):
         self._validate_pipeline()
         self.model.check_parallel(self.parallel.tp)
         self._validate_context()
-        if self.train.compile is True and self.parallel.cp > 1:
-            raise ValueError(f"train.compile=true supports parallel.cp = 1 only (got cp={self.parallel.cp}): "
-                             f"set train.compile=auto or false (auto runs context parallelism eagerly)")
-        if self.train.compile is True and self.model.attention == "sdpa" and self.model.attention_dropout > 0:
-            raise ValueError(f"train.compile=true with model.attention=sdpa needs model.attention_dropout=0 (got "
-                             f"{self.model.attention_dropout}); use model.attention=math, or train.compile=auto")
+        if self.train.compile is True and (why := compile_unsupported(self.model, self.parallel.cp)):
+            raise ValueError(f"{why} (train.compile=auto runs such a run eagerly)")
         if self.parallel.tp_overlap and not self.model.sequence_parallel:
             raise ValueError("parallel.tp_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter "
                              "with the GEMMs; it needs model.sequence_parallel=true")

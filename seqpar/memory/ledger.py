@@ -15,6 +15,8 @@ from typing import Iterable
 
 import torch
 import torch.nn as nn
+
+from ..recompute import is_compiled_block  # hooks inside a compiled block would be traced into its graph
 from torch._subclasses.fake_tensor import is_fake
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -59,12 +61,6 @@ def _is_generator_state(t: torch.Tensor) -> bool:
     block keeps to replay a recomputed dropout; the eager checkpoint keeps the same states outside
     autograd. Bookkeeping of the recomputation, not an activation: left out of the ledger."""
     return t.dtype == torch.uint8 and t.dim() == 1 and t.numel() in (torch.get_rng_state().numel(), 16)
-
-
-def _is_compiled(module: nn.Module | None) -> bool:
-    """Whether ``module``'s forward is a compiled block's (:mod:`seqpar.parallel.compile`): hooks on
-    its submodules would be traced into (and recompile) its graph."""
-    return module is not None and bool(getattr(module.__dict__.get("forward"), "__wrapped__", False))
 
 
 @dataclass
@@ -112,7 +108,7 @@ class ActivationLedger:
         self._holders = [m for m in self.model.modules() if m._parameters or m._buffers]
         self._skip = self._weights()
         self._modules = dict(self.model.named_modules())
-        compiled = [name + "." for name, m in self._modules.items() if _is_compiled(m)]
+        compiled = [name + "." for name, m in self._modules.items() if is_compiled_block(m)]
         for name, module in self.model.named_modules():
             if any(name.startswith(prefix) for prefix in compiled):
                 continue  # inside a compiled block: one graph, charged to the block
@@ -172,7 +168,7 @@ class ActivationLedger:
         else:
             layer, role = None, module
         term = _refine(TERMS.get(role, role or "other"), role, t)
-        if not role and module and _is_compiled(self._modules.get(module)):
+        if not role and module and is_compiled_block(self._modules.get(module)):
             term = "kept by the compiled block"
         self.records.append(SavedTensor(module, layer, term, tuple(t.shape), t.dtype, t.untyped_storage().nbytes()))
         return saved

@@ -23,12 +23,7 @@ from typing import Callable, Iterable
 import torch
 import torch.nn as nn
 
-from ..recompute import run_with_policy
-
-# the stream state a dropout advances is a side effect inside the checkpointed region; it must
-# happen once (forward), never again in recomputation
-_DYNAMO_OPTIONS = {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
-
+from ..recompute import COMPILE_OPTIONS, COMPILED_MARK, compile_unsupported, is_compiled_block, run_with_policy
 
 @dataclasses.dataclass
 class CompileReport:
@@ -54,26 +49,11 @@ def merge_reports(reports: list[CompileReport]) -> CompileReport:
 
 def compile_enabled(setting: bool | str, device: torch.device, config=None, cp: int = 1) -> bool:
     """``train.compile``: true, false, or auto: on for CUDA, off for the CPU, and off where compiled
-    blocks are not supported yet (:func:`unsupported`; ``true`` there is an error naming it)."""
+    blocks are not supported yet (:func:`~seqpar.recompute.compile_unsupported`; ``true`` there is an
+    error naming it)."""
     if setting == "auto":
-        return torch.device(device).type == "cuda" and unsupported(config, cp) is None
+        return torch.device(device).type == "cuda" and compile_unsupported(config, cp) is None
     return bool(setting)
-
-
-def unsupported(config, cp: int = 1) -> str | None:
-    """Why blocks of ``config`` at context-parallel size ``cp`` cannot be compiled, or None."""
-    missing = [k for k in _DYNAMO_OPTIONS if not hasattr(torch._dynamo.config, k)]
-    if missing:
-        return (f"train.compile needs a PyTorch whose torch._dynamo.config has {missing} (this is "
-                f"{torch.__version__}); upgrade PyTorch or set train.compile=false")
-    if cp > 1:
-        return (f"train.compile supports parallel.cp = 1 only (got cp={cp}): context-parallel attention "
-                f"exchanges K/V with point-to-point calls the compiler does not trace yet")
-    if config is not None and config.attention == "sdpa" and config.attention_dropout > 0:
-        return (f"train.compile with model.attention=sdpa needs model.attention_dropout=0 (got "
-                f"{config.attention_dropout}): the fused kernel draws its mask from the default generator, "
-                f"which a compiled block cannot swap; use model.attention=math for attention dropout")
-    return None
 
 
 def compile_seconds() -> float:
@@ -102,9 +82,9 @@ def _compiled(block: nn.Module, compiled: Callable) -> Callable:
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not block.training:  # evaluation and generation (growing lengths) run the eager block
             return type(block).forward(block, x)
-        with torch._dynamo.config.patch(**_DYNAMO_OPTIONS):
+        with torch._dynamo.config.patch(**COMPILE_OPTIONS):
             return compiled(block, x)
-    forward.__wrapped__ = True  # marks a compiled forward, for uncompile_blocks
+    setattr(forward, COMPILED_MARK, True)
     return forward
 
 
@@ -123,7 +103,7 @@ def compile_blocks(model: nn.Module, blocks: Iterable[nn.Module] | None = None, 
     tables: dict[tuple, torch.Tensor] = {}  # one causal-bias table per shape, shared by the layers
     compiled = _fresh_forward(backend)
     for block in chosen:
-        if "forward" not in block.__dict__:
+        if not is_compiled_block(block):
             _prepare_tables(block, getattr(model, "config", None), tables)
             block.forward = _compiled(block, compiled)
     modes = sorted({"selective" if b.attn.recompute else "none" for b in chosen}) or ["none"]
@@ -154,12 +134,12 @@ def _prepare_tables(block: nn.Module, config, tables: dict) -> None:
 def uncompile_blocks(model: nn.Module) -> None:
     """Undo :func:`compile_blocks`: the blocks run their eager forward again."""
     for block in model.modules():
-        if "forward" in block.__dict__ and hasattr(block.__dict__["forward"], "__wrapped__"):
+        if is_compiled_block(block):
             del block.forward
 
 
 def check_compilable(model: nn.Module) -> None:
     """Refuse what compiled blocks do not support yet, naming the setting."""
-    why = unsupported(getattr(model, "config", None), getattr(getattr(model, "cp", None), "size", 1))
+    why = compile_unsupported(getattr(model, "config", None), getattr(getattr(model, "cp", None), "size", 1))
     if why is not None:
         raise ValueError(why)
