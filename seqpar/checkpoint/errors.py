@@ -33,6 +33,12 @@ class CheckpointWriteError(CheckpointError):
     """A save that could not write one of its files."""
 
 
+class IncompleteTrainingState(RuntimeError):
+    """A save whose entries would not cover every parameter (a bug, not bad input: it keeps its
+    traceback). Raised on every rank before any file is written, so no incomplete checkpoint is
+    ever marked complete."""
+
+
 class CheckpointInUse(CheckpointError, RuntimeError):
     """A checkpoint dir another job holds (or one that cannot be locked at all)."""
 

@@ -144,6 +144,31 @@ def training_parts(modules: nn.Module | list[nn.Module], optimizer: torch.optim.
     return parts
 
 
+def coverage_problem(modules: nn.Module | list[nn.Module], optimizer: torch.optim.Optimizer | None) -> str | None:
+    """Why a checkpoint of ``modules`` and ``optimizer`` would miss entries, or None: a trainable
+    parameter the optimizer does not hold (FSDP2's gathered copy left registered after a forward
+    with no backward), or one without AdamW moments once the optimizer has taken a step."""
+    if optimizer is None:
+        return None
+    known = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    stepped = any(optimizer.state.get(p) for g in optimizer.param_groups for p in g["params"])
+    foreign, no_moments = [], []
+    for module in modules if isinstance(modules, (list, tuple)) else [modules]:
+        for name, p in module.named_parameters():
+            if not p.requires_grad:
+                continue
+            if id(p) not in known:
+                foreign.append(name)
+            elif stepped and any(k not in optimizer.state.get(p, {}) for k in MOMENTS):
+                no_moments.append(name)
+    if foreign:
+        return (f"{len(foreign)} parameter(s) are not the optimizer's ({', '.join(foreign[:4])}): a module still "
+                f"holds gathered FSDP parameters after a forward with no backward")
+    if no_moments:
+        return f"{len(no_moments)} parameter(s) have no AdamW moments ({', '.join(no_moments[:4])})"
+    return None
+
+
 class StagingBuffers:
     """CPU snapshots of a rank's pieces for background saves: each buffer is allocated on the
     first save (pinned when CUDA is available) and reused by every later one, and filled with
@@ -242,5 +267,5 @@ class PartsLoadPlanner(DefaultLoadPlanner):
         return super().resolve_tensor(read_item)
 
 
-__all__ = ["DenseParts", "MOMENTS", "PartsLoadPlanner", "PartsSavePlanner", "Piece", "StagingBuffers", "dense_pieces",
+__all__ = ["DenseParts", "MOMENTS", "coverage_problem", "PartsLoadPlanner", "PartsSavePlanner", "Piece", "StagingBuffers", "dense_pieces",
            "model_parts", "optimizer_moments", "training_parts"]

@@ -60,11 +60,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..distributed.rng import RNGStreams, capture_rng, restore_rng
 from .compat import check_compatible
-from .errors import CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointWriteError, write_error
+from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointWriteError,
+                     IncompleteTrainingState, write_error)
 from .files import (PREFIX, _commit, _fsync, _prune, _seal, checkpoint_problem, complete_checkpoints,
                     latest_checkpoint, open_checkpoint_dir, recorded_checksums)
 from .integrity import agree, checksums, file_checksum, gather_dicts, verify_files
-from .pieces import PartsLoadPlanner, PartsSavePlanner, StagingBuffers, optimizer_moments, training_parts
+from .pieces import (PartsLoadPlanner, PartsSavePlanner, StagingBuffers, coverage_problem, optimizer_moments,
+                     training_parts)
 from .safe_metadata import SafeReader
 from .writer import ChecksumWriter, own_error
 
@@ -150,6 +152,9 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
     root = Path(root)
     final = root / f"{PREFIX}{step:08d}"
     tmp = root / f"{final.name}.tmp"
+    problem = agree(coverage_problem(model, optimizer))  # every rank, before anything is written
+    if problem is not None:
+        raise IncompleteTrainingState(f"checkpoint step {step} not written: {problem}")
     _make_tmp(tmp)
     parts = training_parts(model, optimizer)
     state = {"optim_step": torch.tensor(float(step))}

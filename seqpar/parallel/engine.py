@@ -77,6 +77,10 @@ class StepEngine:
         """This rank's mean held-out loss over ``batches`` (float64 device scalar)."""
         raise NotImplementedError
 
+    def after_forward_only(self) -> None:
+        """Called after a forward with no backward (evaluation, sampling) on every rank: put the
+        parameters back as the optimizer and checkpoints know them."""
+
     def parameters_line(self) -> str:
         raise NotImplementedError
 

@@ -68,6 +68,18 @@ def sync_sharded_sp_grads(model: nn.Module, tp_group: ProcessGroup | None) -> in
     return len(grads)
 
 
+def reshard(model: nn.Module) -> int:
+    """Free the gathered parameters of every FSDP2 unit in ``model`` and register the dp shards
+    again. A forward without backward (evaluation, sampling) leaves the root unit -- which keeps
+    its parameters gathered after forward -- holding unsharded parameters, and then
+    ``named_parameters()`` yields tensors the optimizer does not know. Returns the units resharded."""
+    from torch.distributed.fsdp import FSDPModule
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.reshard()
+    return len(units)
+
+
 def shard_rows(full_rows: int, dp_rank: int, dp: int) -> tuple[int, int]:
     """``(first row, rows)`` of dim 0 that FSDP2 gives dp rank ``dp_rank`` of ``dp``
     (``torch.chunk`` sizes: ``ceil(n / dp)`` each, the last ones shorter or empty)."""
@@ -76,5 +88,5 @@ def shard_rows(full_rows: int, dp_rank: int, dp: int) -> tuple[int, int]:
     return start, min(size, full_rows - start)
 
 
-__all__ = ["apply_fsdp", "mixed_precision_policy", "set_micro_batch",
+__all__ = ["apply_fsdp", "mixed_precision_policy", "reshard", "set_micro_batch",
            "shard_rows", "sync_sharded_sp_grads"]

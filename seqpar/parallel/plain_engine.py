@@ -18,6 +18,7 @@ from ..distributed.mesh import ParallelMesh
 from ..model import GPT
 from .compile import compile_blocks, compile_enabled
 from .data_parallel import DataParallel
+from .fsdp import reshard
 from .engine import ActivationProbe, Batch, PrecisionRecipe, StepEngine
 from .tp_overlap import apply_tp_overlap
 
@@ -74,7 +75,15 @@ class PlainEngine(StepEngine):
             for tokens, labels in batches:
                 total += self.model(tokens.to(device), labels.to(device)).double()
         self.model.train()
+        self.after_forward_only()
         return total / len(batches)
+
+    def after_forward_only(self) -> None:
+        """After a forward with no backward (evaluation, sampling): under FSDP2 the root unit keeps
+        its parameters gathered, so they are resharded here; checkpoints and the optimizer then
+        see the dp shards again."""
+        if self.data_parallel.sharded:
+            reshard(self.model)
 
     def parameters_line(self) -> str:
         return (f"parameters: {self.model.num_parameters():,} in the full model, "

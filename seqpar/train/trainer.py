@@ -276,7 +276,10 @@ class Trainer:
         if self.engine.full_model is None:
             raise ValueError("sample: this rank holds pipeline stages or context-parallel chunks, not the whole "
                              "model; sample from a checkpoint with seqpar generate")
-        ids = sample_ids(self.engine.full_model, self.corpus.encode(prompt), max_new_tokens, seed=self.tc.seed)
+        try:
+            ids = sample_ids(self.engine.full_model, self.corpus.encode(prompt), max_new_tokens, seed=self.tc.seed)
+        finally:
+            self.engine.after_forward_only()
         return self.corpus.decode(ids)
 
     # ---- the loop ------------------------------------------------------------------------------
