@@ -146,6 +146,22 @@ def layer_recompute_plan(modes: Sequence[str]) -> list[tuple[int, int, bool]]:
     return runs
 
 
+def plan_recompute(mode: str | Sequence[str], layers: int, method: RecomputeMethod = "uniform",
+                   num_layers: int = 1) -> tuple[tuple[str, ...], list[tuple[int, int, bool]]]:
+    """``(one mode per layer, runs)`` of a recompute setting for ``layers`` layers: a mode for every
+    layer ("none", "selective", "full" in ``method`` groups of ``num_layers``), or a list of them
+    (each full layer a checkpointed run of its own)."""
+    if isinstance(mode, str):
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
+        runs = full_recompute_plan(layers, method, num_layers) if mode == "full" else [(0, layers, False)]
+        return (mode,) * layers, runs
+    modes = tuple(mode)
+    if len(modes) != layers:
+        raise ValueError(f"per-layer recompute needs one mode per layer: got {len(modes)} for {layers} layers")
+    return modes, layer_recompute_plan(modes)
+
+
 # ----------------------------------------------------------------------------- compiled blocks
 # Under torch.compile a transformer block runs inside torch.utils.checkpoint with a selective
 # checkpoint policy the compiler honours: every op of the attention core is recomputed

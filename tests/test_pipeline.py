@@ -17,7 +17,7 @@ from seqpar.model import GPT, GPTConfig
 from seqpar.parallel import build_pipeline, build_stage_modules, check_stage_split, local_stage_indices, resolve_schedule, stage_layers
 from seqpar.memory import PeakActivationLedger, layers_in_flight
 from seqpar.parallel.grads import clip_grad_norm
-from seqpar.train.precision import Precision
+from seqpar.parallel.precision import Precision
 
 BASE = dict(vocab_size=64, seq_len=8, hidden=16, heads=4, layers=8, dropout=0.0, attention_dropout=0.0)
 B, STEPS, CLIP = 8, 3, 0.5  # global batch (sequences), optimizer steps, clip norm (clips every step here)

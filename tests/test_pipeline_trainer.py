@@ -18,7 +18,8 @@ RUN = {**SHARDED_RUN, "model.layers": 4, "train.steps": 6, "train.eval_interval"
 def _run(tmp: Path, tp: int, pp: int, save_at: int | None = None, **extra) -> dict:
     trainer = Trainer(load_run_config(None, run_overrides(tmp, RUN, parallel__tp=tp, parallel__pp=pp, **extra)),
                       mesh=init_parallel(tp=tp, pp=pp))
-    out = {"losses": [], "accum": trainer.accum, "micro_batch": trainer.tc.micro_batch}
+    out = {"losses": [], "accum": trainer.accum, "micro_batch": trainer.tc.micro_batch,
+           "recipe": trainer.engine.applied.steps}
     try:
         start = out["start"] = trainer.resume()
         for step in range(start, trainer.tc.steps):
@@ -58,6 +59,9 @@ def test_pipeline_training_equals_one_stage_and_resumes_at_another_pp(spawn, tmp
     for r in res:  # every rank reports the same losses
         assert r["t2p2"]["losses"] == res[0]["t2p2"]["losses"]
     got = res[0]
+    # both step kinds went through the one recipe; stages reduce over dp inside the pipeline step
+    assert got["t2p2"]["recipe"] == ["tp/sp", "cp", "recompute", "overlap"]
+    assert ref["p1"]["recipe"] == ["tp/sp", "cp", "recompute", "overlap", "data parallel"]
     assert got["t2p2"]["accum"] == 4 and len(got["t2p2"]["losses"]) == 6
     assert got["t2p2"]["losses"] == pytest.approx(ref["p1"]["losses"], abs=1e-5)
     assert got["t2p2"]["eval"] == pytest.approx(ref["p1"]["eval"], abs=1e-5)

@@ -6,7 +6,7 @@ from seqpar.distributed.collectives import all_reduce_coalesced
 from seqpar.memory.ledger import ActivationLedger
 from seqpar.memory.whole_model import model_activation_bytes
 from seqpar.model import GPT, GPTConfig
-from seqpar.train.precision import Precision, resolve_precision
+from seqpar.parallel.precision import Precision, resolve_precision
 
 from distributed_harness import tp_group_of
 from run_helpers import random_tokens, run_overrides

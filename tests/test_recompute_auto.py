@@ -97,9 +97,10 @@ def test_runs_and_flags_follow_the_list_and_the_callers_config_is_untouched():
     assert model.runs == [(0, 1, True), (1, 3, False), (3, 4, True)]
     assert [b.attn.recompute for b in model.blocks] == [False, True, False, False]
     model.set_recompute(["none", "none", "full", "selective"])
-    assert model.config.recompute_layers == ("none", "none", "full", "selective")
-    model.set_recompute("full", "block", 2)  # back to uniform: the list is cleared
-    assert model.config.recompute_layers is None and model.runs == [(0, 1, True), (1, 2, True), (2, 4, False)]
+    assert model.recompute_modes == ("none", "none", "full", "selective")
+    assert model.config.recompute_layers == MIX  # the model's config is left as built
+    model.set_recompute("full", "block", 2)  # back to uniform
+    assert model.recompute_modes == ("full",) * 4 and model.runs == [(0, 1, True), (1, 2, True), (2, 4, False)]
     assert cfg.recompute_layers is None and cfg.recompute == "selective"
     with pytest.raises(ValueError, match="one mode per layer: got 2 for 4 layers"):
         model.set_recompute(["none", "full"])
@@ -236,7 +237,7 @@ def test_the_trainer_resolves_recompute_auto_under_its_budget(tmp_path):
             f"checkpoint.dir={tmp_path / 'ckpt'}", f"out_dir={tmp_path / 'out'}", "model.recompute=auto"]
     trainer = Trainer(load_run_config(None, base + ["train.memory_budget_gib=80"]), mesh=ParallelMesh.single())
     try:
-        modes = trainer.model.config.recompute_layers
+        modes = trainer.model.recompute_modes
         assert modes is not None and len(modes) == 4 and set(modes) <= {"none", "selective", "full"}
         assert modes == ("none",) * 4  # 80 GiB holds everything: nothing to recompute
         assert np.isfinite(trainer.train_step(0).loss)

@@ -52,4 +52,4 @@ def test_copies_of_a_frozen_config_can_change_and_models_keep_their_own():
     assert changed.recompute == "full" and frozen.model.recompute == "selective"
     model = GPT(frozen.model)  # the model copies the config and sets its recompute modes on its own copy
     model.set_recompute("none")
-    assert model.config.recompute == "none" and frozen.model.recompute == "selective"
+    assert model.recompute_modes == ("none",) * model.config.layers and frozen.model.recompute == "selective"

@@ -153,7 +153,8 @@ def test_gpt_keeps_the_callers_config():
     model = GPT(cfg)
     model.set_recompute("full", "block", 2)
     assert (cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers) == ("selective", "uniform", 1)
-    assert (model.config.recompute, model.config.recompute_num_layers) == ("full", 2)
+    assert model.recompute_modes == ("full", "full") and model.runs == [(0, 1, True), (1, 2, True)]
+    assert (model.config.recompute, model.config.recompute_num_layers) == ("selective", 1)  # as built
     assert model.config is not cfg
 
 

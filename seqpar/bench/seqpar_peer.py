@@ -47,7 +47,7 @@ class OverlapPeer(SeqparPeer):
 
     def build(self, *args, **kwargs):
         super().build(*args, **kwargs)
-        from ..parallel.tp_overlap import apply_tp_overlap
+        from ..parallel.apply import apply_tp_overlap
         apply_tp_overlap(self.model, True)
 
 

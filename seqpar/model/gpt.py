@@ -22,10 +22,10 @@ from ..distributed.context import CPComm, check_context_layout
 from ..distributed.mesh import ParallelMesh
 from ..distributed.rng import RNGStreams
 from ..layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy
-from ..recompute import full_recompute_plan, layer_recompute_plan, run_plan
+from ..recompute import plan_recompute, run_plan
 from ..sharding import mark_sp_replicated
 from .attention import SelfAttention
-from .config import RECOMPUTE_MODES, GPTConfig
+from .config import GPTConfig
 from .context import build_context, context_mean_loss, position_rows, split_batch, stream_rank
 from .mlp import MLP
 from .norm import make_norm
@@ -171,25 +171,12 @@ class GPT(nn.Module):
     def set_recompute(self, mode: str | Sequence[str], method: str = "uniform", num_layers: int = 1) -> None:
         """Choose what backward recomputes: "none", "selective" (attention core), "full" (``method``
         groups of ``num_layers`` layers), or one of those per layer (a list of ``len(blocks)``:
-        selective layers recompute their attention core, each full layer is checkpointed alone)."""
-        L = len(self.blocks)
-        if isinstance(mode, str):
-            if mode not in RECOMPUTE_MODES:
-                raise ValueError(f"recompute must be 'none', 'selective' or 'full', got {mode!r}")
-            modes, per_layer = [mode] * L, None
-            self.runs = full_recompute_plan(L, method, num_layers) if mode == "full" else [(0, L, False)]
-        else:
-            modes = per_layer = tuple(mode)
-            if len(modes) != L:
-                raise ValueError(f"per-layer recompute needs one mode per layer: got {len(modes)} for {L} layers")
-            self.runs = layer_recompute_plan(modes)
-        for block, m in zip(self.blocks, modes):
+        selective layers recompute their attention core, each full layer is checkpointed alone).
+        The choice lives on the model (``recompute_modes``, ``runs``); its config is left as built."""
+        self.recompute_modes, self.runs = plan_recompute(mode, len(self.blocks), method, num_layers)
+        for block, m in zip(self.blocks, self.recompute_modes):
             if isinstance(block, Block):
                 block.attn.recompute = m == "selective"
-        cfg = self.config
-        cfg.recompute_layers = per_layer
-        if per_layer is None:
-            cfg.recompute, cfg.recompute_method, cfg.recompute_num_layers = mode, method, num_layers
 
     def _run_blocks(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
         for block in self.blocks[start:end]:

@@ -1,62 +1,56 @@
-"""One step engine for every layout: what the Trainer calls, with or without pipeline stages.
+"""The step engine: what the Trainer calls for one optimizer step, with or without pipeline stages.
 
-A :class:`StepEngine` holds this rank's model parts and runs one optimizer step's
-forward/backward over its micro-batches (gradients reduced and ready to clip), the global-norm
-clip, the evaluation forward, and the report lines of what it measured. Like torchtitan's
-``model_parts``, checkpoints, clipping and the optimizer see one shape: ``module`` (all of this
-rank's parameters) and ``parts`` (the GPT, or this rank's pipeline stages, with their RNG
-``streams``). Only the engine knows about pipelines:
+A :class:`StepEngine` holds this rank's model parts, with parallelism applied by the one recipe
+(:func:`seqpar.parallel.apply.apply_parallelism`), and runs a step's forward/backward over its
+micro-batches (gradients reduced and ready to clip), the global-norm clip, the evaluation forward
+and the report lines of what it measured. As torchtitan's ``model_parts``: checkpoints, clipping
+and the optimizer see one shape, ``module`` (every parameter of this rank) and ``parts`` (the
+GPT, or this rank's pipeline stages, with their RNG ``streams``). Only the engine knows about
+pipelines:
 
-* :class:`~seqpar.parallel.plain_engine.PlainEngine`: the GPT over :class:`DataParallel`;
-* :class:`~seqpar.parallel.pipeline_engine.PipelineEngine`: stages over :class:`PipelineParallel`;
-* :func:`~seqpar.parallel.engines.build_engine` picks one for a run.
-
-The precision recipe and the activation probe come from the caller and are typed structurally
-(:class:`PrecisionRecipe`, :class:`ActivationProbe`), so this package depends on nothing above it.
+* :class:`PlainEngine` (``pp = 1``): the GPT over FSDP2 or DDP. Per micro-batch: forward and
+  backward in the run's precision, the loss scaled by 1/accum (DDP's ``no_sync`` / FSDP's
+  deferred reduce-scatter before the last); then the dp reductions and the SP grads summed over TP.
+* :class:`PipelineEngine` (``pp > 1``): this rank's stages over
+  :class:`~seqpar.parallel.pipeline.PipelineParallel`, which reduces its own gradients (SP grads
+  over TP per stage, the tied token table over the first/last pair, everything over dp). On CUDA
+  the bubble is timed (a synchronize per chunk) only on ``timed`` steps.
+* :func:`build_engine` picks one for a resolved run.
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
-from typing import Protocol
 
 import torch
 import torch.nn as nn
 
-from ..model.config import GPTConfig
+from ..config import RunConfig
+from ..distributed.mesh import ParallelMesh
+from ..memory import PeakActivationLedger, layers_in_flight
+from ..memory.probe import ActivationProbe
+from ..memory.whole_model import model_activation_bytes
+from ..model import GPT
+from .apply import Applied, apply_parallelism
 from .compile import CompileReport
+from .fsdp import reshard
+from .pipeline import build_pipeline, resolve_schedule
+from .precision import Precision
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), each [b, s]
-
-
-class PrecisionRecipe(Protocol):
-    """How a step computes (``seqpar.train.precision.Precision`` is one)."""
-
-    name: str
-    master_weights: bool
-    activation_bytes: int
-
-    def autocast(self) -> AbstractContextManager: ...
-    def compute_weights(self, model: nn.Module) -> dict[str, torch.Tensor] | None: ...
-    def weights_in(self, model: nn.Module, weights: dict[str, torch.Tensor] | None) -> AbstractContextManager: ...
-    def accumulate(self, model: nn.Module, weights: dict[str, torch.Tensor] | None) -> None: ...
-
-
-class ActivationProbe(Protocol):
-    """Measures the saved activations of the first forward (``seqpar.memory.probe``)."""
-
-    def measure(self) -> AbstractContextManager: ...
-    def line(self, cfg: GPTConfig, *, t: int, micro_batch: int, activation_bytes: int, cp: int = 1) -> str: ...
 
 
 class StepEngine:
     """The interface the Trainer calls; see the module docstring."""
 
-    compiled: "CompileReport | None" = None  # what train.compile compiled (seqpar.parallel.compile)
+    compiled: CompileReport | None = None  # what train.compile compiled
+    applied: Applied                       # what the recipe applied to the parts, in order
+    module: nn.Module                      # every parameter of this rank (the optimizer's)
+    parts: list[nn.Module]                 # the model parts checkpoints hold
+    full_model: nn.Module | None           # the whole GPT when this rank holds it (sampling), else None
 
-    module: nn.Module               # every parameter of this rank (the optimizer's)
-    parts: list[nn.Module]          # the model parts checkpoints hold
-    full_model: nn.Module | None    # the whole GPT when this rank holds it (sampling), else None
+    def __init__(self, cfg: RunConfig, mesh: ParallelMesh, *, accum: int, precision: Precision):
+        self.cfg, self.mesh, self.accum, self.precision = cfg, mesh, accum, precision
 
     @property
     def streams(self) -> list:
@@ -100,4 +94,166 @@ class StepEngine:
         return []
 
 
-__all__ = ["ActivationProbe", "Batch", "PrecisionRecipe", "StepEngine"]
+class PlainEngine(StepEngine):
+    """The GPT of ``cfg.model`` on ``mesh`` (pp = 1), wrapped for data parallelism. ``probe``:
+    measure the first forward's saved activations (the ``activations:`` line)."""
+
+    def __init__(self, cfg: RunConfig, mesh: ParallelMesh, *, accum: int, precision: Precision, probe: bool = True):
+        super().__init__(cfg, mesh, accum=accum, precision=precision)
+        self.model = GPT(cfg.model, mesh, seed=cfg.train.seed, cp_comm=cfg.parallel.cp_comm)
+        self.applied = apply_parallelism([self.model], cfg, mesh, precision=precision)
+        self.compiled, self.data_parallel = self.applied.compiled, self.applied.data_parallel
+        # under context parallelism this rank's forward sees its own chunks only: no sampling here
+        self.module, self.parts = self.model, [self.model]
+        self.full_model = self.model if mesh.cp_size == 1 else None
+        self.probe = ActivationProbe(self.model, mesh.device) if probe else None
+
+    def _measure(self):
+        return self.probe.measure() if self.probe is not None else contextlib.nullcontext()
+
+    def forward_backward(self, micro_batches: Sequence[Batch], *, timed: bool = False) -> torch.Tensor:
+        """Under the bf16 recipe each micro-batch runs on bf16 copies made once per step, their
+        grads added into the fp32 masters and reduced over dp in fp32 afterwards."""
+        prec, dp = self.precision, self.data_parallel
+        weights = prec.compute_weights(self.model)  # bf16 copies, once per optimizer step (bf16 only)
+        dp.begin_step(weights)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+        for micro, (tokens, labels) in enumerate(micro_batches):
+            with dp.micro_batch(micro, self.accum), prec.weights_in(self.model, weights):
+                with prec.autocast(), self._measure():
+                    loss = dp.module(tokens, labels)
+                (loss / self.accum).backward()
+            prec.accumulate(self.model, weights)
+            loss_sum += loss.detach().double() / self.accum
+        dp.after_backward()
+        return loss_sum
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return self.data_parallel.clip(max_norm)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[Batch]) -> torch.Tensor:
+        prec, device = self.precision, self.mesh.device
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        with prec.weights_in(self.model, prec.compute_weights(self.model)), prec.autocast():
+            for tokens, labels in batches:
+                total += self.model(tokens.to(device), labels.to(device)).double()
+        self.model.train()
+        self.after_forward_only()
+        return total / len(batches)
+
+    def after_forward_only(self) -> None:
+        """Under FSDP2 the root unit keeps its parameters gathered after a forward; with no
+        backward to reshard them they are resharded here, so checkpoints and the optimizer see
+        the dp shards again."""
+        if self.data_parallel.sharded:
+            reshard(self.model)
+
+    def parameters_line(self) -> str:
+        return (f"parameters: {self.model.num_parameters():,} in the full model, "
+                f"{self.model.num_parameters(False):,} on this rank")
+
+    def memory_line(self) -> str:
+        return self.probe.line(self.cfg.model, t=self.mesh.tp_size, micro_batch=self.cfg.train.micro_batch,
+                               activation_bytes=self.precision.activation_bytes, cp=self.mesh.cp_size)
+
+
+class PipelineEngine(StepEngine):
+    """This rank's pipeline stages for ``cfg`` on ``mesh`` with ``accum`` micro-batches per step;
+    reports the first step's peak saved activations and the measured bubble against §4.2.3."""
+
+    def __init__(self, cfg: RunConfig, mesh: ParallelMesh, *, accum: int, precision: Precision):
+        super().__init__(cfg, mesh, accum=accum, precision=precision)
+        pc, mc = cfg.parallel, cfg.model
+        self.schedule = resolve_schedule(pc.pp_schedule, pc.virtual_stages)
+        dtype = torch.bfloat16 if precision.master_weights else None  # stages exchange bf16 activations
+        self.pipe = build_pipeline(mc, mesh, seed=cfg.train.seed, schedule=self.schedule,
+                                   virtual_stages=pc.virtual_stages, n_microbatches=accum, activation_dtype=dtype,
+                                   time_cuda=False)  # synchronized only on timed steps
+        self.module = self.pipe.module  # an nn.ModuleList of this rank's stages
+        self.applied = apply_parallelism(self.pipe.parts, cfg, mesh, data_parallel=False)
+        self.compiled = self.applied.compiled
+        self.parts, self.full_model = list(self.pipe.parts), None
+        self.peak: int | None = None  # peak saved-activation bytes inside the layers, first step
+        self.peak_outside: int | None = None  # saved outside the layers at that peak (§4.3's terms)
+
+    def forward_backward(self, micro_batches: Sequence[Batch], *, timed: bool = False) -> torch.Tensor:
+        """The bf16 recipe runs the stages on bf16 copies and adds their grads into the fp32
+        masters before the reductions. Returns the mean loss, identical on this pipeline's ranks."""
+        prec = self.precision
+        tokens = torch.cat([x for x, _ in micro_batches])
+        labels = torch.cat([y for _, y in micro_batches])
+        weights = prec.compute_weights(self.module)
+        # the first step only; what a recompute saves while backward runs is its transient, not in §4.2.3
+        ledger = PeakActivationLedger(self.module, during_backward=False) if self.peak is None else None
+        with prec.weights_in(self.module, weights), prec.autocast(), ledger or contextlib.nullcontext():
+            loss = self.pipe.step(tokens, labels, finish=weights is None, timed=timed)
+        if ledger is not None:
+            self.peak, self.peak_outside = ledger.peak_layer_bytes, ledger.outside_at_layer_peak
+        if weights is not None:
+            prec.accumulate(self.module, weights)
+            self.pipe.finish_grads()
+        return loss
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        return self.pipe.clip_grad_norm(max_norm)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[Batch]) -> torch.Tensor:
+        """Mean loss over ``batches`` (taken ``n_microbatches`` at a time through the pipeline)."""
+        prec, n, device = self.precision, self.pipe.n_microbatches, self.mesh.device
+        groups = [batches[i:i + n] for i in range(0, len(batches) - n + 1, n)] or [list(batches) * n]
+        self.pipe.train(False)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        with prec.weights_in(self.module, prec.compute_weights(self.module)), prec.autocast():
+            for group in groups:
+                tokens = torch.cat([x for x, _ in group]).to(device)
+                labels = torch.cat([y for _, y in group]).to(device)
+                total += self.pipe.evaluate(tokens, labels)
+        self.pipe.train(True)
+        return total / len(groups)
+
+    def parameters_line(self) -> str:
+        return (f"parameters: {sum(p.numel() for p in self.module.parameters()):,} in pipeline stage(s) "
+                f"{[part.index for part in self.parts]} on this rank ({self.schedule}, {self.accum} "
+                f"micro-batches per step)")
+
+    def memory_line(self) -> str:
+        """This stage's peak saved activations in the layers during the first step against §4.2.3."""
+        mc, pc, tc = self.cfg.model, self.cfg.parallel, self.cfg.train
+        kept = model_activation_bytes(mc, t=self.mesh.tp_size, micro_batch=tc.micro_batch,
+                                      activation_bytes=self.precision.activation_bytes,
+                                      device=self.mesh.device.type, cp=self.mesh.cp_size)["layers"]
+        per_layer = kept / mc.layers  # Table 2's bytes per layer as this config runs them
+        layers = layers_in_flight(self.schedule, pp_rank=self.mesh.pp_rank, pp=self.mesh.pp_size,
+                                  virtual_stages=pc.virtual_stages, layers=mc.layers,
+                                  n_microbatches=self.pipe.n_microbatches)
+        formula = per_layer * float(layers)
+        return (f"activations: {(self.peak or 0) / 2**20:.2f} MiB peak saved in the layers of pipeline stage "
+                f"{self.mesh.pp_rank}, formula {formula / 2**20:.2f} MiB = {float(layers):.3g} layers' worth "
+                f"(ratio {(self.peak or 0) / formula:.3f}; §4.2.3, {self.schedule})")
+
+    def bubble_line(self) -> str | None:
+        """The first stage's measured idle fraction of the last timed step next to ``(p-1)/(m n)``."""
+        timing = self.pipe.last_timing
+        if timing is None:
+            return None
+        return (f"           pipeline bubble {timing.bubble:.3f} measured on stage {self.mesh.pp_rank} (idle / busy "
+                f"time of the step), (p-1)/(m n) = {self.pipe.ideal_bubble():.3f}")
+
+    def log_lines(self) -> list[str]:
+        line = self.bubble_line()
+        return [line] if line else []
+
+
+def build_engine(cfg: RunConfig, mesh: ParallelMesh, *, accum: int, precision: Precision,
+                 probe: bool = True) -> StepEngine:
+    """The engine of a resolved ``cfg`` on ``mesh``: pipeline stages when ``mesh.pp_size > 1``,
+    else the GPT over ddp / fsdp (``probe``: measure the first forward's saved activations)."""
+    if mesh.pp_size > 1:
+        return PipelineEngine(cfg, mesh, accum=accum, precision=precision)
+    return PlainEngine(cfg, mesh, accum=accum, precision=precision, probe=probe)
+
+
+__all__ = ["Batch", "PipelineEngine", "PlainEngine", "StepEngine", "build_engine"]

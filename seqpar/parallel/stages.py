@@ -22,7 +22,7 @@ from ..model.config import GPTConfig
 from ..model.context import context_mean_loss, position_rows, split_batch, stream_rank
 from ..model.gpt import GPT
 from ..model.vocab import check_token_ids, trim_rows
-from ..recompute import RECOMPUTE_MODES, full_recompute_plan, layer_recompute_plan, run_plan
+from ..recompute import plan_recompute, run_plan
 from .. import sharding
 
 STAGE_SEED_OFFSET = 7919  # stage i draws dropout masks from seed + i * offset (stage 0: the GPT's seed)
@@ -92,20 +92,10 @@ class StageModule(nn.Module):
 
     def set_recompute(self, mode: str | Sequence[str], method: str = "uniform", num_layers: int = 1) -> None:
         """Recompute inside this stage: "none", "selective" (attention core) or "full" (``method``
-        groups of ``num_layers`` of this stage's layers, as :func:`full_recompute_plan`), or one of
-        those per layer of the stage (each full layer checkpointed alone)."""
-        n = len(self.blocks)
-        if isinstance(mode, str):
-            if mode not in RECOMPUTE_MODES:
-                raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
-            modes = [mode] * n
-            self.runs = full_recompute_plan(n, method, num_layers) if mode == "full" else [(0, n, False)]
-        else:
-            modes = list(mode)
-            if len(modes) != n:
-                raise ValueError(f"per-layer recompute needs one mode per layer of the stage: got {len(modes)} for {n}")
-            self.runs = layer_recompute_plan(modes)
-        for block, m in zip(self.blocks.values(), modes):
+        groups of ``num_layers`` of this stage's layers), or one of those per layer of the stage
+        (each full layer checkpointed alone); see :func:`seqpar.recompute.plan_recompute`."""
+        self.recompute_modes, self.runs = plan_recompute(mode, len(self.blocks), method, num_layers)
+        for block, m in zip(self.blocks.values(), self.recompute_modes):
             block.attn.recompute = m == "selective"
 
     def _run_blocks(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:

@@ -4,7 +4,7 @@ Rank ``R`` of a job of ``N`` ranks is built through the code that trains it: the
 :func:`~seqpar.train.resolve.resolve_run`, the mesh of :func:`~seqpar.distributed.mesh.init_parallel`
 over a fake process group of ``N`` ranks (``torch.testing``'s ``FakeStore``, backend ``"fake"``:
 collectives return at once, nothing is sent), and under ``FakeTensorMode`` (tensors with shapes,
-dtypes and devices but no storage) the step engine of :func:`~seqpar.parallel.engines.build_engine`
+dtypes and devices but no storage) the step engine of :func:`~seqpar.parallel.engine.build_engine`
 (this rank's layers and shards only, FSDP2 or its pipeline stages), the precision recipe and AdamW.
 It then runs one optimizer step as :meth:`Trainer.train_step <seqpar.train.trainer.Trainer.train_step>`
 does, on fake token batches: every micro-batch's forward and backward (a pipeline rank: one
@@ -35,15 +35,12 @@ from torch.nn.modules.module import register_module_module_registration_hook
 
 from ..config.errors import UserError, is_user_error
 from ..distributed.mesh import ParallelMesh, init_parallel
-from ..memory.probe import ActivationProbe
 from ..model.gpt import Block
 from ..parallel.data_parallel import state_bytes
-from ..parallel.engine import StepEngine
-from ..parallel.engines import build_engine
-from ..parallel.pipeline_engine import PipelineEngine
+from ..parallel.engine import PipelineEngine, StepEngine, build_engine
 from .dryrun_comm import count_c10d, group_names, record_step
 from .optim import build_optimizer
-from .precision import Precision, resolve_precision
+from ..parallel.precision import Precision, resolve_precision
 from .resolve import ResolvedRun
 from .trainer import step_flags
 
@@ -156,7 +153,7 @@ def build(run: ResolvedRun, mesh: ParallelMesh, device: str) -> tuple[StepEngine
                         f"DistributedDataParallel, whose C++ reducer needs real tensors: a dry run cannot build it "
                         f"(train.precision=bf16 reduces through seqpar's own gradient buckets, "
                         f"parallel.data_parallel=fsdp through FSDP2)")
-    engine = build_engine(run.cfg, mesh, accum=run.accum, precision=precision, probe=ActivationProbe)
+    engine = build_engine(run.cfg, mesh, accum=run.accum, precision=precision)
     precision.check_model(engine.module)
     optimizer = build_optimizer(engine.module, lr=tc.lr, weight_decay=tc.weight_decay, betas=(tc.beta1, tc.beta2))
     return engine, optimizer, precision

@@ -38,14 +38,13 @@ from ..data import Batch, data_streams, load_corpus, tokenizer_attachment
 from ..distributed.mesh import ParallelMesh, init_parallel
 from ..parallel.data_parallel import state_bytes, state_line
 from ..parallel.compile import compile_seconds
-from ..parallel.engines import build_engine
-from ..memory.probe import ActivationProbe
+from ..parallel.engine import build_engine
 from .checkpointing import CheckpointManager
 from .faults import StopRequest, nonfinite_error, nonfinite_what
 from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, lr_at
-from .precision import Precision
+from ..parallel.precision import Precision
 from .resolve import ResolvedRun, resolve_run
 
 
@@ -150,8 +149,7 @@ class Trainer:
         """The step engine (the GPT over ddp / fsdp, or this rank's pipeline stages), its optimizer
         and the checkpoint manager over the engine's model parts."""
         tc = self.tc
-        self.engine = build_engine(self.cfg, self.mesh, accum=self.accum, precision=self.precision,
-                                   probe=ActivationProbe)
+        self.engine = build_engine(self.cfg, self.mesh, accum=self.accum, precision=self.precision)
         self.model = self.engine.module  # the GPT, or an nn.ModuleList of this rank's stages
         self.logger.print(self.engine.parameters_line())
         self.precision.check_model(self.model)
