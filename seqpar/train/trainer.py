@@ -14,9 +14,10 @@ seed and step only) -> the engine's forward/backward (gradients reduced over dp 
 SP-replicated ones, summed over TP) -> the engine's global-norm clip -> one world all-reduce
 carrying the mean loss, the stop flag and whether the grad norm is finite (:meth:`Trainer.agree`)
 -> AdamW step, or, when the loss or the gradients are not finite, a stop naming the step or a
-skipped step (``train.nonfinite_grads``) -> grads zeroed. After the step, :meth:`Trainer.fit`
-logs, evaluates and checkpoints on their intervals (never weights holding NaN/inf), and stops
-cleanly after a checkpoint when any rank received SIGTERM.
+skipped step (``train.nonfinite_grads``; more than ``train.max_skipped_steps`` in a row stop the
+run) -> grads zeroed. After the step, :meth:`Trainer.fit` logs, evaluates and checkpoints on their
+intervals (never weights holding NaN/inf, never right after a skipped step; keep-N spares the last
+good checkpoint), and stops cleanly after a checkpoint when any rank received SIGTERM.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from ..parallel.compile import compile_seconds
 from ..parallel.engines import build_engine
 from ..memory.probe import ActivationProbe
 from .checkpointing import CheckpointManager
-from .faults import StopRequest, nonfinite_error, nonfinite_what
+from .faults import NonFiniteError, SkippedSteps, StopRequest, nonfinite_error, nonfinite_what
 from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, lr_at
@@ -100,6 +101,7 @@ class Trainer:
         self.start_step = 0  # first step this process runs (> 0 after a resume)
         self.state: dict[str, int] | None = None  # bytes of training state, measured at the first step
         self._stop: StopRequest | None = None  # installed by fit()
+        self.skips = SkippedSteps(self.tc.max_skipped_steps)  # train.nonfinite_grads=skip's streaks
         self._ahead: tuple[int, list[Batch]] | None = None  # the next step's batches, on their way (CUDA)
         self._ckpt_dir = None  # the job's lock on checkpoint.dir (rank 0), held until close()
         try:
@@ -230,8 +232,10 @@ class Trainer:
     def train_step(self, step: int) -> StepMetrics:
         """Run optimizer step ``step`` (from 0); a collective on every rank. When the mean loss or
         the gradients are not finite (on any rank) the optimizer step is not taken: under
-        ``train.nonfinite_grads=stop`` (default) ``FloatingPointError`` names the step, under
-        ``skip`` the grads are dropped and the step counted in ``history["skipped"]``."""
+        ``train.nonfinite_grads=stop`` (default) :class:`NonFiniteError` names the step, under
+        ``skip`` the grads are dropped and the step counted in ``history["skipped"]``; one more
+        than ``train.max_skipped_steps`` in a row raises :class:`NonFiniteError` naming them and
+        the last good checkpoint."""
         lr = self.set_lr(step)
         loss_sum = self.forward_backward(self.micro_batches(step), step)
         self.prefetch(step + 1)  # overlaps the next step's host-to-device copies with this one's tail
@@ -241,13 +245,17 @@ class Trainer:
         skipped = not (finite and math.isfinite(loss))
         if skipped and self.tc.nonfinite_grads == "stop":
             self.optimizer.zero_grad(set_to_none=True)
-            raise nonfinite_error(step, loss, grad_norm)
+            raise nonfinite_error(step, loss, grad_norm, self.checkpoints.good)
         if skipped:
+            what = nonfinite_what(loss, grad_norm)
             self.history["skipped"].append(step + 1)
-            self.logger.print(f"step {step + 1}: {nonfinite_what(loss, grad_norm)}; optimizer step skipped "
+            self.logger.print(f"step {step + 1}: {what}; optimizer step skipped "
                               f"({len(self.history['skipped'])} so far, train.nonfinite_grads=skip)")
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skips.skip(step + 1, what, self.checkpoints.good)  # past train.max_skipped_steps: stop
         else:
             self.optimizer.step()
+            self.skips.take()
         if self.state is None:  # after the first step, when AdamW has its moments
             self.state = state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
@@ -296,14 +304,20 @@ class Trainer:
             self.logger.print(line)
 
     def _after_step(self, done: int, m: StepMetrics) -> None:
-        """Evaluate and checkpoint when due (a stop request forces a checkpoint)."""
+        """Evaluate and checkpoint when due (a stop request forces a checkpoint); a checkpoint due
+        after a skipped step is not written (its weights are what made the step non-finite)."""
         tc, interval = self.tc, self.cfg.checkpoint.interval
         if self.evals and tc.eval_interval > 0 and (done % tc.eval_interval == 0 or done == tc.steps):
             ev = self.evaluate()
             self.history["eval"].append((done, ev))
             self.logger.record(done, {"eval loss": ev})
             self.logger.print(f"           eval loss {ev:.4f} at step {done}")
-        if m.stop or done == tc.steps or (interval > 0 and done % interval == 0):
+        if not (m.stop or done == tc.steps or (interval > 0 and done % interval == 0)):
+            return
+        if m.skipped:
+            self.logger.print(f"checkpoint of step {done} not written: the step was skipped (non-finite loss or "
+                              f"gradients); the last good checkpoint is {self.checkpoints.good or 'none'}")
+        else:
             self.save(done)
 
     def fit(self) -> dict:
@@ -328,22 +342,36 @@ class Trainer:
                 self.log_step(step + 1, m, time.perf_counter() - t0)
                 self._after_step(step + 1, m)
                 if m.stop:
-                    self.logger.print(f"{self._stop.name or 'SIGTERM'} received: checkpoint written at step "
-                                      f"{step + 1}, exiting cleanly")
+                    written = "no checkpoint written (the step was skipped)" if m.skipped else "checkpoint written"
+                    self.logger.print(f"{self._stop.name or 'SIGTERM'} received: {written} at step {step + 1}, "
+                                      f"exiting cleanly")
                     stopped = True
                     break
             whole = self.engine.full_model is not None
             if self.corpus.tokenizer is not None and not stopped and whole:
-                self.logger.print("sample:\n" + self.sample())
+                self._print_sample()
             elif not whole and self.history["checkpoint"]:
                 self.logger.print(f"sample: seqpar generate {self.cfg.checkpoint.dir} (one process, any layout)")
         finally:
             self.close()
         return self.history
 
+    def _print_sample(self) -> None:
+        """The end of a finished run: a sample, unless the last step was skipped or the logits are
+        not finite (one line saying so instead; every rank decides alike)."""
+        if self.skips.streak:
+            self.logger.print(f"sample: not printed, step {self.skips.streak[-1]} was skipped (non-finite loss "
+                              f"or gradients)")
+            return
+        try:
+            self.logger.print("sample:\n" + self.sample())
+        except NonFiniteError as e:
+            self.logger.print(f"sample: not printed, {e}")
+
     def save(self, step: int) -> Path:
-        """Checkpoint step ``step`` on every rank (:meth:`CheckpointManager.save`); the folder."""
-        path = self.checkpoints.save(step)
+        """Checkpoint step ``step`` on every rank (:meth:`CheckpointManager.save`); the folder. It
+        becomes the last good checkpoint when no step was skipped since the previous one."""
+        path = self.checkpoints.save(step, good=self.skips.checkpointed())
         self.history["checkpoint"] = str(path)
         return path
 
@@ -352,8 +380,8 @@ class Trainer:
         self.checkpoints.finish_pending()
 
     def resume(self) -> int:
-        """Load the newest complete checkpoint when ``checkpoint.resume`` is ``"auto"`` (any
-        layout); returns the step to start from (0 when there is none)."""
+        """Load the checkpoint ``checkpoint.resume`` says (``auto``: the newest complete one; a path:
+        that one; any layout); returns the step to start from (0 when there is none)."""
         step = self.checkpoints.resume()
         if step is not None:
             self.start_step = step
