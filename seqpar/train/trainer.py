@@ -14,10 +14,9 @@ seed and step only) -> the engine's forward/backward (gradients reduced over dp 
 SP-replicated ones, summed over TP) -> the engine's global-norm clip -> one world all-reduce
 carrying the mean loss, the stop flag and whether the grad norm is finite (:meth:`Trainer.agree`)
 -> AdamW step, or, when the loss or the gradients are not finite, a stop naming the step or a
-skipped step (``train.nonfinite_grads``; more than ``train.max_skipped_steps`` in a row stop the
-run) -> grads zeroed. After the step, :meth:`Trainer.fit` logs, evaluates and checkpoints on their
-intervals (never weights holding NaN/inf, never right after a skipped step; keep-N spares the last
-good checkpoint), and stops cleanly after a checkpoint when any rank received SIGTERM.
+skipped step (``train.nonfinite_grads``, ``max_skipped_steps``) -> grads zeroed. After the step,
+:meth:`Trainer.fit` logs, evaluates and checkpoints on their intervals (never NaN/inf weights nor
+right after a skipped step), and stops cleanly after a checkpoint when any rank received SIGTERM.
 """
 from __future__ import annotations
 
@@ -233,9 +232,8 @@ class Trainer:
         """Run optimizer step ``step`` (from 0); a collective on every rank. When the mean loss or
         the gradients are not finite (on any rank) the optimizer step is not taken: under
         ``train.nonfinite_grads=stop`` (default) :class:`NonFiniteError` names the step, under
-        ``skip`` the grads are dropped and the step counted in ``history["skipped"]``; one more
-        than ``train.max_skipped_steps`` in a row raises :class:`NonFiniteError` naming them and
-        the last good checkpoint."""
+        ``skip`` the grads are dropped and the step counted in ``history["skipped"]`` (too many in
+        a row: :class:`NonFiniteError`, :class:`SkippedSteps`)."""
         lr = self.set_lr(step)
         loss_sum = self.forward_backward(self.micro_batches(step), step)
         self.prefetch(step + 1)  # overlaps the next step's host-to-device copies with this one's tail
@@ -304,20 +302,18 @@ class Trainer:
             self.logger.print(line)
 
     def _after_step(self, done: int, m: StepMetrics) -> None:
-        """Evaluate and checkpoint when due (a stop request forces a checkpoint); a checkpoint due
-        after a skipped step is not written (its weights are what made the step non-finite)."""
+        """Evaluate and checkpoint when due (a stop request forces a checkpoint; not after a skipped step)."""
         tc, interval = self.tc, self.cfg.checkpoint.interval
         if self.evals and tc.eval_interval > 0 and (done % tc.eval_interval == 0 or done == tc.steps):
             ev = self.evaluate()
             self.history["eval"].append((done, ev))
             self.logger.record(done, {"eval loss": ev})
             self.logger.print(f"           eval loss {ev:.4f} at step {done}")
-        if not (m.stop or done == tc.steps or (interval > 0 and done % interval == 0)):
-            return
-        if m.skipped:
+        due = m.stop or done == tc.steps or (interval > 0 and done % interval == 0)
+        if due and m.skipped:
             self.logger.print(f"checkpoint of step {done} not written: the step was skipped (non-finite loss or "
                               f"gradients); the last good checkpoint is {self.checkpoints.good or 'none'}")
-        else:
+        elif due:
             self.save(done)
 
     def fit(self) -> dict:
@@ -342,8 +338,8 @@ class Trainer:
                 self.log_step(step + 1, m, time.perf_counter() - t0)
                 self._after_step(step + 1, m)
                 if m.stop:
-                    written = "no checkpoint written (the step was skipped)" if m.skipped else "checkpoint written"
-                    self.logger.print(f"{self._stop.name or 'SIGTERM'} received: {written} at step {step + 1}, "
+                    saved = "no checkpoint" if m.skipped else "checkpoint"  # none after a skipped step
+                    self.logger.print(f"{self._stop.name or 'SIGTERM'} received: {saved} written at step {step + 1}, "
                                       f"exiting cleanly")
                     stopped = True
                     break
@@ -357,13 +353,10 @@ class Trainer:
         return self.history
 
     def _print_sample(self) -> None:
-        """The end of a finished run: a sample, unless the last step was skipped or the logits are
-        not finite (one line saying so instead; every rank decides alike)."""
-        if self.skips.streak:
-            self.logger.print(f"sample: not printed, step {self.skips.streak[-1]} was skipped (non-finite loss "
-                              f"or gradients)")
-            return
+        """A finished run's sample; one line instead after a skipped step or with NaN/inf logits."""
         try:
+            if self.skips.streak:
+                raise NonFiniteError(f"step {self.skips.streak[-1]} was skipped (non-finite loss or gradients)")
             self.logger.print("sample:\n" + self.sample())
         except NonFiniteError as e:
             self.logger.print(f"sample: not printed, {e}")
