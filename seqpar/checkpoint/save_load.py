@@ -23,8 +23,9 @@ replaces ``latest`` atomically. A checkpoint counts only if every file the marke
 listed size and checksum (:mod:`seqpar.checkpoint.integrity`); :func:`latest_checkpoint` takes the
 newest save (the marker's sequence number; ``latest`` is advisory), warning about each incomplete
 one it skips; :func:`~seqpar.checkpoint.resume.resume_latest` also falls back past one whose files
-fail their checksums. keep-N keeps the checkpoint just written and the next newest saves. A file
-that cannot be written (a full disk) fails the save on every rank in one line naming it
+fail their checksums. keep-N keeps the checkpoint just written, the next newest saves and the one
+the caller pins (the trainer's last good checkpoint). A file that cannot be written (a full disk)
+fails the save on every rank in one line naming it
 (:class:`~seqpar.checkpoint.errors.CheckpointWriteError`); the previous checkpoints stay.
 
 One job per dir. :func:`open_checkpoint_dir` (every rank, at start-up) has global rank 0 hold an
