@@ -1,7 +1,8 @@
 """Checkpoints: complete-or-skipped folders written and read through ``torch.distributed.checkpoint``.
 
     save_load.py      save_checkpoint / load_checkpoint / load_model_only (DCP; sync or async)
-    resume.py         resume_latest: the newest intact checkpoint of this run, falling back past damage
+    resume.py         resume_latest: the newest intact checkpoint of this run, falling back past damage;
+                      resume_named: the one checkpoint.resume=PATH names
     pieces.py         each rank's pieces of the dense tensors (DCP save and load planners)
     writer.py         DCP's file writer naming the file a failure hit, checksumming this rank's shards
     files.py          the folder's life: completion marker, commit, ``latest``, keep-N, one job per dir
@@ -18,9 +19,9 @@ from .files import CheckpointDir, checkpoint_problem, complete_checkpoints, late
 from .compat import check_compatible, data_identity
 from .safe_metadata import SafeReader
 from .save_load import PendingCheckpoint, load_checkpoint, load_model_only, save_checkpoint
-from .resume import resume_latest
+from .resume import named_checkpoint, resume_latest, resume_named
 
 __all__ = ["CheckpointCorrupt", "CheckpointDir", "CheckpointError", "CheckpointMismatch", "CheckpointWriteError",
            "PendingCheckpoint", "SafeReader", "UnsafeCheckpoint", "check_compatible", "checkpoint_problem",
            "complete_checkpoints", "data_identity", "latest_checkpoint", "load_checkpoint", "load_model_only",
-           "open_checkpoint_dir", "resume_latest", "save_checkpoint"]
+           "named_checkpoint", "open_checkpoint_dir", "resume_latest", "resume_named", "save_checkpoint"]

@@ -202,14 +202,17 @@ def _commit(root: Path, tmp: Path, final: Path) -> None:
     shutil.rmtree(aside, ignore_errors=True)
 
 
-def _prune(root: Path, final: Path, keep: int) -> None:
+def _prune(root: Path, final: Path, keep: int, pinned: Path | None = None) -> None:
     """Keep ``keep`` checkpoints: ``final`` and the next ones in :func:`resume_order` (the newest
-    saves). ``keep <= 0`` keeps everything."""
+    saves), and ``pinned`` whatever its age (the trainer's last good checkpoint, so at most
+    ``keep + 1`` remain). ``keep <= 0`` keeps everything."""
     if keep <= 0:
         return
     others = [p for p in resume_order(root)[0] if p.name != final.name]
+    pin = Path(pinned).resolve() if pinned is not None else None
     for old in others[max(keep - 1, 0):]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old.resolve() != pin:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 # ---- one job per checkpoint dir ----------------------------------------------------------------

@@ -1,17 +1,19 @@
-"""Resuming a run: the newest checkpoint that is intact and this run's, falling back past damage.
+"""Resuming a run: the newest checkpoint that is intact and this run's, falling back past damage,
+or the one ``checkpoint.resume=PATH`` names.
 
 A damaged or unreadable checkpoint (:class:`CheckpointCorrupt`: a checksum mismatch, a file that
 cannot be parsed) is skipped with one warning naming the file, for the previous complete one; a
 checkpoint of another model or data (:class:`CheckpointMismatch`) is refused, never skipped, so a
-run never trains over the wrong checkpoint and keep-N never prunes the right ones.
+run never trains over the wrong checkpoint and keep-N never prunes the right ones. A checkpoint
+named by its path is never replaced by another: any problem with it is an error naming it.
 """
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
 
-from .errors import CheckpointCorrupt
-from .files import resume_order
+from .errors import CheckpointCorrupt, CheckpointError
+from .files import MARKER, _step_of, checkpoint_problem, latest_checkpoint, resume_order
 from .save_load import load_checkpoint
 
 
@@ -38,4 +40,36 @@ def resume_latest(root: str | Path, model, optimizer, streams, *, config, data: 
     return None
 
 
-__all__ = ["resume_latest"]
+def named_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder ``checkpoint.resume=PATH`` names: ``PATH`` itself when it is a
+    checkpoint folder (``step_N``, or any folder holding ``complete.json`` or ``extra.json``), else
+    the newest complete checkpoint in the checkpoint dir ``PATH`` (warning about incomplete ones it
+    passes over, as :func:`~seqpar.checkpoint.files.latest_checkpoint`). Files only, no collective:
+    every rank gets the same answer or the same :class:`CheckpointError`, naming ``PATH``."""
+    path = Path(path)
+    key = f"checkpoint.resume={path}"
+    if not path.is_dir():
+        raise CheckpointError(f"{key}: {'not a folder' if path.exists() else 'no such folder'}; name a "
+                              f"checkpoint (step_N) folder or a checkpoint dir")
+    if _step_of(path) is not None or (path / MARKER).exists() or (path / "extra.json").exists():
+        problem = checkpoint_problem(path)
+        if problem is not None:
+            raise CheckpointCorrupt(f"{key}: not a complete checkpoint ({problem})")
+        return path
+    found = latest_checkpoint(path)
+    if found is None:
+        raise CheckpointError(f"{key}: holds no complete checkpoint (no step_N folder with its {MARKER})")
+    return found
+
+
+def resume_named(path: str | Path, model, optimizer, streams, *, config, data: dict | None = None
+                 ) -> tuple[Path, dict]:
+    """Load the checkpoint ``checkpoint.resume=PATH`` names (:func:`named_checkpoint`; every rank)
+    and return ``(folder, extra)``. No fallback: a damaged file or another model or data raises,
+    naming it."""
+    folder = named_checkpoint(path)
+    return folder, load_checkpoint(folder, model, optimizer, streams, config=config, data=data,
+                                   verify=config.checkpoint.verify)
+
+
+__all__ = ["named_checkpoint", "resume_latest", "resume_named"]

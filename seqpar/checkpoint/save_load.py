@@ -23,8 +23,9 @@ replaces ``latest`` atomically. A checkpoint counts only if every file the marke
 listed size and checksum (:mod:`seqpar.checkpoint.integrity`); :func:`latest_checkpoint` takes the
 newest save (the marker's sequence number; ``latest`` is advisory), warning about each incomplete
 one it skips; :func:`~seqpar.checkpoint.resume.resume_latest` also falls back past one whose files
-fail their checksums. keep-N keeps the checkpoint just written and the next newest saves. A file
-that cannot be written (a full disk) fails the save on every rank in one line naming it
+fail their checksums. keep-N keeps the checkpoint just written, the next newest saves and the one
+the caller pins (the trainer's last good checkpoint). A file that cannot be written (a full disk)
+fails the save on every rank in one line naming it
 (:class:`~seqpar.checkpoint.errors.CheckpointWriteError`); the previous checkpoints stay.
 
 One job per dir. :func:`open_checkpoint_dir` (every rank, at start-up) has global rank 0 hold an
@@ -144,9 +145,10 @@ def _write_own_files(tmp: Path, step: int, extra: dict, config_yaml: str, stream
 
 def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, config_yaml: str,
                     streams: RNGStreams | None, keep: int = 2, attachments: dict[str, Path] | None = None,
-                    *, async_save: bool = False):
+                    *, async_save: bool = False, pinned: Path | None = None):
     """Write checkpoint ``step`` atomically and durably; call on every rank. ``attachments`` (name ->
-    file) are copied in by rank 0 (e.g. the tokenizer). Returns the final folder, or with
+    file) are copied in by rank 0 (e.g. the tokenizer). keep-N keeps this one, the ``keep - 1``
+    newest others and ``pinned`` (a checkpoint never pruned). Returns the final folder, or with
     ``async_save`` a :class:`PendingCheckpoint` whose ``finish()`` returns it. A file that cannot
     be written raises :class:`CheckpointWriteError` on every rank, naming it."""
     root = Path(root)
@@ -177,7 +179,8 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
         _discard(tmp)
         raise own_error(e) from None
     sums, error = _write_own_files(tmp, step, extra, config_yaml, streams, attachments)
-    pending = PendingCheckpoint(root, tmp, final, step, keep, future, writer=writer, sums=sums, error=error)
+    pending = PendingCheckpoint(root, tmp, final, step, keep, future, writer=writer, sums=sums, error=error,
+                                pinned=pinned)
     pending.owns_staging = async_save and staging is not None
     return pending if async_save else pending.finish()
 
@@ -218,12 +221,15 @@ def _async_group():
 
 class PendingCheckpoint:
     """A checkpoint whose files may still be being written; :meth:`finish` (every rank) waits for
-    them, gathers every rank's checksums, then rank 0 seals, commits and prunes (keep-N), and
-    returns the final folder. A failed write raises :class:`CheckpointWriteError` on every rank."""
+    them, gathers every rank's checksums, then rank 0 seals, commits and prunes (keep-N, sparing
+    ``pinned``), and returns the final folder. A failed write raises :class:`CheckpointWriteError`
+    on every rank."""
 
     def __init__(self, root: Path, tmp: Path, final: Path, step: int, keep: int, future=None, *,
-                 writer: ChecksumWriter | None = None, sums: dict | None = None, error: str | None = None):
+                 writer: ChecksumWriter | None = None, sums: dict | None = None, error: str | None = None,
+                 pinned: Path | None = None):
         self.root, self.tmp, self.final, self.step, self.keep, self.future = root, tmp, final, step, keep, future
+        self.pinned = pinned
         self.writer, self.sums, self.error = writer, dict(sums or {}), error
         self.owns_staging = False  # whether finishing frees the reused staging buffers
 
@@ -253,7 +259,7 @@ class PendingCheckpoint:
             try:
                 _seal(self.tmp, self.step, sums)
                 _commit(self.root, self.tmp, self.final)
-                _prune(self.root, self.final, self.keep)
+                _prune(self.root, self.final, self.keep, self.pinned)
             except CheckpointError as e:
                 problem = str(e)
                 _discard(self.tmp)  # gone already once the rename happened

@@ -157,6 +157,9 @@ class TrainConfig(Freezable):
     # a step whose gradients hold NaN/inf: "stop" the run naming the step, or "skip" the optimizer
     # step (weights untouched) and count it
     nonfinite_grads: Literal["stop", "skip"] = "stop"
+    # under nonfinite_grads=skip: the most steps skipped in a row; one more stops the run (exit 2)
+    # naming them and the last good checkpoint to roll back to
+    max_skipped_steps: int = 10
     # compile each transformer block (torch.compile, fullgraph): true | false | auto (on for CUDA,
     # off for the CPU, where compiled blocks measured no faster: docs/benchmarks.md)
     compile: bool | Literal["auto"] = "auto"
@@ -165,7 +168,8 @@ class TrainConfig(Freezable):
     memory_budget_gib: float | None = None
 
     def validate(self) -> None:
-        for name in ("steps", "micro_batch", "global_batch", "log_interval", "eval_batches", "threads_per_rank"):
+        for name in ("steps", "micro_batch", "global_batch", "log_interval", "eval_batches", "threads_per_rank",
+                     "max_skipped_steps"):
             check_at_least(f"train.{name}", getattr(self, name), 1)
         for name in ("warmup_steps", "eval_interval"):
             check_at_least(f"train.{name}", getattr(self, name), 0)
@@ -188,7 +192,9 @@ class CheckpointConfig(Freezable):
     dir: str = "runs/checkpoints"
     interval: int = 100          # save every N steps (and at the end); 0 = only at the end
     keep: int = 2                # newest checkpoints kept
-    resume: Literal["auto", "never"] = "auto"  # auto: continue from the newest checkpoint in dir
+    # auto: continue from the newest checkpoint in dir; never: start afresh; a path: that checkpoint
+    # folder (step_N), or the newest checkpoint of that dir (seqpar.checkpoint.resume_named)
+    resume: str = "auto"
     # checkpoint.async: write a checkpoint in the background (torch.distributed.checkpoint's
     # async_save) while training goes on; it is sealed (marker, latest, keep-N) before the next one
     async_save: bool = field(default=False, metadata={"key": "async"})
@@ -202,7 +208,8 @@ class CheckpointConfig(Freezable):
     def validate(self) -> None:
         check_at_least("checkpoint.interval", self.interval, 0)
         check_at_least("checkpoint.keep", self.keep, 1)
-        check_choice("checkpoint.resume", self.resume, ("auto", "never"))
+        if not self.resume.strip():
+            raise ValueError(f"checkpoint.resume must be auto, never or a checkpoint path, got {self.resume!r}")
 
 
 @dataclass

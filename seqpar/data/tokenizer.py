@@ -90,14 +90,21 @@ def tokenizer_digest(tok: Tokenizer) -> str:
 
 def checkpoint_tokenizer(ckpt_dir: str | Path, resume: str) -> tuple[Path | None, int | None]:
     """``(tokenizer.json, end-of-text id or None)`` of the checkpoint a run will resume
-    (``checkpoint.resume=auto``) when that tokenizer was given (``data.tokenizer``, ``seqpar
-    import``) rather than trained by seqpar on a corpus; else ``(None, None)``."""
-    if resume != "auto" or not Path(ckpt_dir).is_dir():
+    (``checkpoint.resume``: ``auto`` or a path) when that tokenizer was given (``data.tokenizer``,
+    ``seqpar import``) rather than trained by seqpar on a corpus; else ``(None, None)``. A path
+    that names no complete checkpoint raises its error here, before any data work."""
+    if resume == "never":
         return None, None
-    from ..checkpoint.files import resume_order
+    if resume != "auto":
+        from ..checkpoint.resume import named_checkpoint
+        latest = named_checkpoint(resume)
+    elif not Path(ckpt_dir).is_dir():
+        return None, None
+    else:
+        from ..checkpoint.files import resume_order
 
-    complete, _ = resume_order(ckpt_dir)  # the trainer warns about skipped ones itself
-    latest = complete[0] if complete else None
+        complete, _ = resume_order(ckpt_dir)  # the trainer warns about skipped ones itself
+        latest = complete[0] if complete else None
     if latest is None or not (latest / "tokenizer.json").is_file():
         return None, None
     try:

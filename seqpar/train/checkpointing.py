@@ -3,6 +3,8 @@
 A :class:`CheckpointManager` is given what a checkpoint holds -- the model parts and their RNG
 streams (the GPT, or this rank's pipeline stages), the optimizer, the data stream's position,
 the resolved run -- and writes and reads them through :mod:`seqpar.checkpoint`'s public functions.
+It also remembers the last good checkpoint (the one resumed from, or the newest written after
+steps without a skipped one), which keep-N never prunes: the one to roll back to.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..checkpoint import resume_latest, save_checkpoint
+from ..checkpoint import resume_latest, resume_named, save_checkpoint
 from ..config import dump
 from .faults import check_finite_weights
 from .resolve import ResolvedRun
@@ -31,27 +33,33 @@ class CheckpointManager:
         self.optimizer, self.batches, self.attachments, self.data = optimizer, batches, attachments, data
         self.print = print
         self.pending = None  # a background save not sealed yet (checkpoint.async)
+        self.good: Path | None = None  # the last good checkpoint: never pruned, named when a run diverges
 
     def _extra(self) -> dict:
         run, pc = self.run, self.run.cfg.parallel
         return {"data": self.batches.state_dict(), "tp": pc.tp, "dp": run.dp, "pp": pc.pp, "cp": pc.cp,
                 "virtual_stages": pc.virtual_stages, "data_parallel": run.dp_mode, "data_identity": self.data}
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int, *, good: bool = True) -> Path:
         """Checkpoint the model, optimizer, RNG streams and data position as step ``step``; every rank.
         Each rank writes only its own shards. Under ``checkpoint.async`` the files are written in
-        the background and sealed by the next save or :meth:`finish_pending`; the folder is returned."""
+        the background and sealed by the next save or :meth:`finish_pending`; the folder is returned.
+        ``good``: no step was skipped since the previous checkpoint, so this one becomes :attr:`good`;
+        otherwise keep-N spares the current :attr:`good` (at most ``checkpoint.keep + 1`` remain)."""
         check_finite_weights(self.module, step)  # every rank, before any rank starts writing
         ck, cfg = self.run.cfg.checkpoint, self.run.cfg
         self.finish_pending()
         out = save_checkpoint(ck.dir, step, self.parts, self.optimizer, self._extra(), dump(cfg), self.streams,
-                              keep=ck.keep, attachments=self.attachments, async_save=ck.async_save)
+                              keep=ck.keep, attachments=self.attachments, async_save=ck.async_save,
+                              pinned=None if good else self.good)
         if ck.async_save:
             self.pending, path = out, out.final
             self.print(f"checkpoint started in the background: {path}")
         else:
             path = out
             self.print(f"checkpoint saved: {path}")
+        if good:
+            self.good = path
         return path
 
     def finish_pending(self) -> None:
@@ -61,16 +69,23 @@ class CheckpointManager:
             self.print(f"checkpoint saved: {pending.finish()}")
 
     def resume(self) -> int | None:
-        """Load the newest intact checkpoint of this model and data when ``checkpoint.resume`` is
-        ``"auto"`` (any layout; :func:`~seqpar.checkpoint.resume_latest` falls back past damaged ones
-        and refuses a different model or data); returns its step, or None when there is none."""
-        ck = self.run.cfg.checkpoint
-        found = resume_latest(ck.dir, self.parts, self.optimizer, self.streams, config=self.run.cfg,
-                              data=self.data) if ck.resume == "auto" else None
+        """Load a checkpoint as ``checkpoint.resume`` says (any layout): ``auto``, the newest intact
+        one of this model and data in ``checkpoint.dir`` (:func:`~seqpar.checkpoint.resume_latest`
+        falls back past damaged ones); ``never``, none; a path, that checkpoint folder or the newest
+        of that dir, without fallback (:func:`~seqpar.checkpoint.resume_named`). A different model
+        or data is refused. Returns its step, or None when nothing was loaded."""
+        ck, cfg = self.run.cfg.checkpoint, self.run.cfg
+        if ck.resume == "never":
+            return None
+        if ck.resume == "auto":
+            found = resume_latest(ck.dir, self.parts, self.optimizer, self.streams, config=cfg, data=self.data)
+        else:
+            found = resume_named(ck.resume, self.parts, self.optimizer, self.streams, config=cfg, data=self.data)
         if found is None:
             return None
         latest, extra = found
         self.batches.load_state_dict(extra["data"])
+        self.good = latest
         self.print(f"resumed from {latest} at step {int(extra['step'])}")
         return int(extra["step"])
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..distributed.regions import gather_from_tp
+from .faults import NonFiniteError
 
 
 @torch.no_grad()
@@ -17,7 +18,8 @@ def sample(model, prompt: list[int], max_new_tokens: int = 64, *, temperature: f
     A collective under TP: call on every TP rank with the same arguments; every rank returns the
     same ids (the vocabulary shards are gathered for the last position only, and all ranks draw
     from identically seeded generators). Under sequence parallelism the window is right-padded to
-    a multiple of t; causal attention makes the padding invisible to earlier positions.
+    a multiple of t; causal attention makes the padding invisible to earlier positions. Logits
+    holding NaN/inf (diverged weights) raise :class:`NonFiniteError` on every rank.
     """
     if not prompt:
         raise ValueError("sample: the prompt must contain at least one token")
@@ -27,13 +29,17 @@ def sample(model, prompt: list[int], max_new_tokens: int = 64, *, temperature: f
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     ids = list(prompt)
-    for _ in range(max_new_tokens):
+    for k in range(max_new_tokens):
         window = ids[-cfg.seq_len:]
         n = len(window)
         pad = (-n) % t if cfg.sequence_parallel else 0  # seq_len is a multiple of t under SP: it fits
         tokens = torch.tensor([window + [0] * pad], device=device)
         logits = gather_from_tp(model(tokens)[:, n - 1].float(), model.tp_group)[0].cpu()  # [v_pad]
         logits = logits[:cfg.vocab_size]  # the padded rows: the same draws as the unpadded model
+        if not torch.isfinite(logits).all():  # the same gathered logits on every rank: all raise
+            model.train(was_training)
+            raise NonFiniteError(f"the model's logits for new token {k + 1} hold NaN/inf: its weights have "
+                                 f"diverged")
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:

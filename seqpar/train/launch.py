@@ -178,8 +178,9 @@ def _report(failures: dict) -> int:
     failed rank (its traceback, if any, is above; exit 1)."""
     user: dict[str, list[int]] = {}
     for rank, f in sorted(failures.items()):
-        if f.exitcode == 2 and isinstance(f.message, str) and f.message.startswith("seqpar train: rank "):
-            text = f.message.removeprefix("seqpar train: rank ").split(": ", 1)[-1]
+        if f.exitcode == 2 and isinstance(f.message, str) and f.message.startswith("seqpar train: "):
+            text = f.message.removeprefix("seqpar train: ")  # one rank alone writes no "rank R: "
+            text = text.split(": ", 1)[-1] if text.startswith("rank ") else text
             user.setdefault(text, []).append(rank)
     for text, ranks in user.items():
         who = "rank" if len(ranks) == 1 else "ranks"

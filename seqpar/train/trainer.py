@@ -14,9 +14,9 @@ seed and step only) -> the engine's forward/backward (gradients reduced over dp 
 SP-replicated ones, summed over TP) -> the engine's global-norm clip -> one world all-reduce
 carrying the mean loss, the stop flag and whether the grad norm is finite (:meth:`Trainer.agree`)
 -> AdamW step, or, when the loss or the gradients are not finite, a stop naming the step or a
-skipped step (``train.nonfinite_grads``) -> grads zeroed. After the step, :meth:`Trainer.fit`
-logs, evaluates and checkpoints on their intervals (never weights holding NaN/inf), and stops
-cleanly after a checkpoint when any rank received SIGTERM.
+skipped step (``train.nonfinite_grads``, ``max_skipped_steps``) -> grads zeroed. After the step,
+:meth:`Trainer.fit` logs, evaluates and checkpoints on their intervals (never NaN/inf weights nor
+right after a skipped step), and stops cleanly after a checkpoint when any rank received SIGTERM.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from ..parallel.data_parallel import state_bytes, state_line
 from ..parallel.compile import compile_seconds
 from ..parallel.engine import build_engine
 from .checkpointing import CheckpointManager
-from .faults import StopRequest, nonfinite_error, nonfinite_what
+from .faults import NonFiniteError, SkippedSteps, StopRequest, nonfinite_error, nonfinite_what
 from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, lr_at
@@ -99,6 +99,7 @@ class Trainer:
         self.start_step = 0  # first step this process runs (> 0 after a resume)
         self.state: dict[str, int] | None = None  # bytes of training state, measured at the first step
         self._stop: StopRequest | None = None  # installed by fit()
+        self.skips = SkippedSteps(self.tc.max_skipped_steps)  # train.nonfinite_grads=skip's streaks
         self._ahead: tuple[int, list[Batch]] | None = None  # the next step's batches, on their way (CUDA)
         self._ckpt_dir = None  # the job's lock on checkpoint.dir (rank 0), held until close()
         try:
@@ -228,8 +229,9 @@ class Trainer:
     def train_step(self, step: int) -> StepMetrics:
         """Run optimizer step ``step`` (from 0); a collective on every rank. When the mean loss or
         the gradients are not finite (on any rank) the optimizer step is not taken: under
-        ``train.nonfinite_grads=stop`` (default) ``FloatingPointError`` names the step, under
-        ``skip`` the grads are dropped and the step counted in ``history["skipped"]``."""
+        ``train.nonfinite_grads=stop`` (default) :class:`NonFiniteError` names the step, under
+        ``skip`` the grads are dropped and the step counted in ``history["skipped"]`` (too many in
+        a row: :class:`NonFiniteError`, :class:`SkippedSteps`)."""
         lr = self.set_lr(step)
         loss_sum = self.forward_backward(self.micro_batches(step), step)
         self.prefetch(step + 1)  # overlaps the next step's host-to-device copies with this one's tail
@@ -239,13 +241,17 @@ class Trainer:
         skipped = not (finite and math.isfinite(loss))
         if skipped and self.tc.nonfinite_grads == "stop":
             self.optimizer.zero_grad(set_to_none=True)
-            raise nonfinite_error(step, loss, grad_norm)
+            raise nonfinite_error(step, loss, grad_norm, self.checkpoints.good)
         if skipped:
+            what = nonfinite_what(loss, grad_norm)
             self.history["skipped"].append(step + 1)
-            self.logger.print(f"step {step + 1}: {nonfinite_what(loss, grad_norm)}; optimizer step skipped "
+            self.logger.print(f"step {step + 1}: {what}; optimizer step skipped "
                               f"({len(self.history['skipped'])} so far, train.nonfinite_grads=skip)")
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skips.skip(step + 1, what, self.checkpoints.good)  # past train.max_skipped_steps: stop
         else:
             self.optimizer.step()
+            self.skips.take()
         if self.state is None:  # after the first step, when AdamW has its moments
             self.state = state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
@@ -297,14 +303,18 @@ class Trainer:
             self.logger.print(line)
 
     def _after_step(self, done: int, m: StepMetrics) -> None:
-        """Evaluate and checkpoint when due (a stop request forces a checkpoint)."""
+        """Evaluate and checkpoint when due (a stop request forces a checkpoint; not after a skipped step)."""
         tc, interval = self.tc, self.cfg.checkpoint.interval
         if self.evals and tc.eval_interval > 0 and (done % tc.eval_interval == 0 or done == tc.steps):
             ev = self.evaluate()
             self.history["eval"].append((done, ev))
             self.logger.record(done, {"eval loss": ev})
             self.logger.print(f"           eval loss {ev:.4f} at step {done}")
-        if m.stop or done == tc.steps or (interval > 0 and done % interval == 0):
+        due = m.stop or done == tc.steps or (interval > 0 and done % interval == 0)
+        if due and m.skipped:
+            self.logger.print(f"checkpoint of step {done} not written: the step was skipped (non-finite loss or "
+                              f"gradients); the last good checkpoint is {self.checkpoints.good or 'none'}")
+        elif due:
             self.save(done)
 
     def fit(self) -> dict:
@@ -329,22 +339,33 @@ class Trainer:
                 self.log_step(step + 1, m, time.perf_counter() - t0)
                 self._after_step(step + 1, m)
                 if m.stop:
-                    self.logger.print(f"{self._stop.name or 'SIGTERM'} received: checkpoint written at step "
-                                      f"{step + 1}, exiting cleanly")
+                    saved = "no checkpoint" if m.skipped else "checkpoint"  # none after a skipped step
+                    self.logger.print(f"{self._stop.name or 'SIGTERM'} received: {saved} written at step {step + 1}, "
+                                      f"exiting cleanly")
                     stopped = True
                     break
             whole = self.engine.full_model is not None
             if self.corpus.tokenizer is not None and not stopped and whole:
-                self.logger.print("sample:\n" + self.sample())
+                self._print_sample()
             elif not whole and self.history["checkpoint"]:
                 self.logger.print(f"sample: seqpar generate {self.cfg.checkpoint.dir} (one process, any layout)")
         finally:
             self.close()
         return self.history
 
+    def _print_sample(self) -> None:
+        """A finished run's sample; one line instead after a skipped step or with NaN/inf logits."""
+        try:
+            if self.skips.streak:
+                raise NonFiniteError(f"step {self.skips.streak[-1]} was skipped (non-finite loss or gradients)")
+            self.logger.print("sample:\n" + self.sample())
+        except NonFiniteError as e:
+            self.logger.print(f"sample: not printed, {e}")
+
     def save(self, step: int) -> Path:
-        """Checkpoint step ``step`` on every rank (:meth:`CheckpointManager.save`); the folder."""
-        path = self.checkpoints.save(step)
+        """Checkpoint step ``step`` on every rank (:meth:`CheckpointManager.save`); the folder. It
+        becomes the last good checkpoint when no step was skipped since the previous one."""
+        path = self.checkpoints.save(step, good=self.skips.checkpointed())
         self.history["checkpoint"] = str(path)
         return path
 
@@ -353,8 +374,8 @@ class Trainer:
         self.checkpoints.finish_pending()
 
     def resume(self) -> int:
-        """Load the newest complete checkpoint when ``checkpoint.resume`` is ``"auto"`` (any
-        layout); returns the step to start from (0 when there is none)."""
+        """Load the checkpoint ``checkpoint.resume`` says (``auto``: the newest complete one; a path:
+        that one; any layout); returns the step to start from (0 when there is none)."""
         step = self.checkpoints.resume()
         if step is not None:
             self.start_step = step
