@@ -18,9 +18,9 @@ from .files import CheckpointDir, checkpoint_problem, complete_checkpoints, late
 from .compat import check_compatible, data_identity
 from .safe_metadata import SafeReader
 from .save_load import PendingCheckpoint, load_checkpoint, load_model_only, save_checkpoint
-from .resume import resume_latest
+from .resume import resume_latest, saved_global_batch
 
 __all__ = ["CheckpointCorrupt", "CheckpointDir", "CheckpointError", "CheckpointMismatch", "CheckpointWriteError",
            "PendingCheckpoint", "SafeReader", "UnsafeCheckpoint", "check_compatible", "checkpoint_problem",
            "complete_checkpoints", "data_identity", "latest_checkpoint", "load_checkpoint", "load_model_only",
-           "open_checkpoint_dir", "resume_latest", "save_checkpoint"]
+           "open_checkpoint_dir", "resume_latest", "save_checkpoint", "saved_global_batch"]

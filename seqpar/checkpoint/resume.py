@@ -7,6 +7,7 @@ run never trains over the wrong checkpoint and keep-N never prunes the right one
 """
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -38,4 +39,22 @@ def resume_latest(root: str | Path, model, optimizer, streams, *, config, data: 
     return None
 
 
-__all__ = ["resume_latest"]
+def saved_global_batch(root: str | Path) -> int | None:
+    """The global batch (sequences per optimizer step) the checkpoint a resume would load was
+    trained with: ``data.global_batch`` of ``extra.json`` (plain JSON, nothing else read) of the
+    first complete checkpoint under ``root`` whose ``extra.json`` holds one, in
+    :func:`resume_latest`'s order; ``None`` when there is none. No collective, no warning: every
+    rank calls it before the run is resolved, and the resume itself reports what it skips."""
+    for folder in resume_order(root)[0]:
+        try:
+            extra = json.loads((folder / "extra.json").read_text())
+        except (OSError, ValueError):
+            continue
+        data = extra.get("data") if isinstance(extra, dict) else None
+        batch = data.get("global_batch") if isinstance(data, dict) else None
+        if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0:
+            return batch
+    return None
+
+
+__all__ = ["resume_latest", "saved_global_batch"]

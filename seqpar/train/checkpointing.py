@@ -12,10 +12,18 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..checkpoint import resume_latest, save_checkpoint
-from ..config import dump
+from ..checkpoint import CheckpointMismatch, resume_latest, save_checkpoint, saved_global_batch
+from ..config import RunConfig, dump
 from .faults import check_finite_weights
 from .resolve import ResolvedRun
+
+
+def resume_global_batch(cfg: RunConfig) -> int | None:
+    """The global batch of the checkpoint ``checkpoint.resume: auto`` would continue (``None``: no
+    resume, or no checkpoint); read on every rank before the run is resolved, so a resume at
+    another dp keeps it (:func:`seqpar.train.resolve.keep_saved_batch`)."""
+    ck = cfg.checkpoint
+    return saved_global_batch(ck.dir) if ck.resume == "auto" else None
 
 
 class CheckpointManager:
@@ -70,9 +78,26 @@ class CheckpointManager:
         if found is None:
             return None
         latest, extra = found
+        self._check_batch(latest, extra)
         self.batches.load_state_dict(extra["data"])
         self.print(f"resumed from {latest} at step {int(extra['step'])}")
         return int(extra["step"])
 
+    def _check_batch(self, folder: Path, extra: dict) -> None:
+        """Refuse a checkpoint whose global batch the run was not resolved for (a run resolved
+        without reading it, or a resume that fell back to an older checkpoint of another batch)."""
+        data = extra.get("data")
+        saved = data.get("global_batch") if isinstance(data, dict) else None
+        run = self.run
+        if not isinstance(saved, int) or saved in (run.global_batch, run.saved_global_batch):
+            return
+        if run.saved_global_batch is None:
+            how = (f"resolve the run with resolve_run(..., saved_global_batch={saved}), as Trainer does given a "
+                   f"RunConfig")
+        else:
+            how = f"it was resolved for the {run.saved_global_batch} of a newer checkpoint; start it again"
+        raise CheckpointMismatch(f"checkpoint {folder} trained with a global batch of {saved} sequences, this run "
+                                 f"trains {run.global_batch}: {how}")
 
-__all__ = ["CheckpointManager"]
+
+__all__ = ["CheckpointManager", "resume_global_batch"]
