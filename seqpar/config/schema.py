@@ -54,7 +54,7 @@ class ParallelConfig(Freezable):
     dp: int | None = None        # data-parallel size; None = world size / (pp x cp x tp)
     pp: int = 1                  # pipeline stages p (outermost: each stage is dp x tp consecutive ranks)
     virtual_stages: int = 1      # model chunks m per pipeline rank (the interleaved schedule)
-    timeout_minutes: float = 10  # a collective waiting longer fails the job instead of hanging it
+    timeout_minutes: float = 10  # a collective, or a wait for the data cache's lock, lasting longer fails the job
     # how gradients (and state) are shared over dp: "fsdp" shards parameters, gradients and AdamW
     # state over dp (FSDP2 fully_shard per block and on the root); "ddp" replicates them and
     # all-reduces gradients. None = fsdp when dp > 1 (with dp = 1 nothing is sharded either way)
