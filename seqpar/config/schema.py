@@ -163,6 +163,9 @@ class TrainConfig(Freezable):
     # GiB per GPU that model.recompute: auto must fit (state, activations and the planner's
     # workspace allowance, seqpar.plan.memory); None = no budget
     memory_budget_gib: float | None = None
+    # refuse, before anything is built, a run whose predicted peak memory per rank (the planner's
+    # formulas) exceeds the device's (a GPU's memory; on the CPU the host's RAM over its ranks)
+    memory_check: bool = True
 
     def validate(self) -> None:
         for name in ("steps", "micro_batch", "global_batch", "log_interval", "eval_batches", "threads_per_rank"):

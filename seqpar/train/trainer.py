@@ -47,6 +47,7 @@ from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, lr_at
 from .precision import Precision
+from .preflight import check_memory
 from .resolve import ResolvedRun, resolve_run
 
 
@@ -94,6 +95,7 @@ class Trainer:
             cfg, world, device, saved_global_batch=resume_global_batch(cfg))
         if self.run.world_size != world:
             raise ValueError(f"the run was resolved for world size {self.run.world_size}, got {world}")
+        check_memory(self.run, mesh.device if mesh else device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         self.cfg, self.tc, self.mc = self.run.cfg, self.run.cfg.train, self.run.cfg.model
         self.dp, self.accum, self.dp_mode = self.run.dp, self.run.accum, self.run.dp_mode
         self.mesh = self._setup_mesh(mesh)
