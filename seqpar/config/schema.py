@@ -138,7 +138,8 @@ class DataConfig(Freezable):
 class TrainConfig(Freezable):
     steps: int = 200
     micro_batch: int = 8         # sequences per rank per micro-step
-    global_batch: int | None = None  # sequences per optimizer step; None = micro_batch * dp (no accumulation)
+    global_batch: int | None = None  # sequences per optimizer step; None = micro_batch * dp (no accumulation),
+    #                                  or on a resume the checkpoint's (kept at any dp)
     lr: float = 1e-3
     min_lr: float = 1e-4         # cosine decay floor
     warmup_steps: int = 20
