@@ -71,3 +71,24 @@ def test_docs_relayout_example_resumes_with_the_uninterrupted_losses(spawn, tmp_
     assert "global batch of 4 sequences at dp=4: train.micro_batch 2 -> 1" in resumed["note"]
     np.testing.assert_allclose(resumed["losses"], whole["losses"][2:], rtol=1e-5, atol=1e-5)
 
+
+
+def _fake_checkpoint(root, step: int, extra: str) -> None:
+    """A complete checkpoint folder as far as the marker goes (enough for reading extra.json)."""
+    from seqpar.checkpoint.files import _seal
+    folder = root / f"step_{step:08d}"
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"\0")
+    (folder / "extra.json").write_text(extra)
+    _seal(folder, step)
+
+
+def test_saved_global_batch_reads_the_checkpoint_a_resume_would_load(tmp_path):
+    assert saved_global_batch(tmp_path / "nothing") is None
+    _fake_checkpoint(tmp_path / "a", 3, '{"step": 3, "data": {"step": 3, "seed": 1, "global_batch": 16}}')
+    assert saved_global_batch(tmp_path / "a") == 16
+    _fake_checkpoint(tmp_path / "a", 5, "{not json")  # the newest is unreadable: the resume falls back too
+    assert saved_global_batch(tmp_path / "a") == 16
+    # seqpar import's step 0 has trained nothing: its placeholder batch is not kept
+    _fake_checkpoint(tmp_path / "b", 0, '{"data": {"step": 0, "seed": 1, "global_batch": 2}, "tp": 1, "dp": 1}')
+    assert saved_global_batch(tmp_path / "b") is None

@@ -43,7 +43,8 @@ def saved_global_batch(root: str | Path) -> int | None:
     """The global batch (sequences per optimizer step) the checkpoint a resume would load was
     trained with: ``data.global_batch`` of ``extra.json`` (plain JSON, nothing else read) of the
     first complete checkpoint under ``root`` whose ``extra.json`` holds one, in
-    :func:`resume_latest`'s order; ``None`` when there is none. No collective, no warning: every
+    :func:`resume_latest`'s order; ``None`` when there is none or it is a step-0 checkpoint
+    (``seqpar import``'s: nothing trained, so no batch to keep). No collective, no warning: every
     rank calls it before the run is resolved, and the resume itself reports what it skips."""
     for folder in resume_order(root)[0]:
         try:
@@ -51,7 +52,11 @@ def saved_global_batch(root: str | Path) -> int | None:
         except (OSError, ValueError):
             continue
         data = extra.get("data") if isinstance(extra, dict) else None
-        batch = data.get("global_batch") if isinstance(data, dict) else None
+        if not isinstance(data, dict):
+            continue
+        if data.get("step") == 0:  # nothing trained yet (seqpar import): no batch to keep
+            return None
+        batch = data.get("global_batch")
         if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0:
             return batch
     return None

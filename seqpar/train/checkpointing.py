@@ -85,9 +85,10 @@ class CheckpointManager:
 
     def _check_batch(self, folder: Path, extra: dict) -> None:
         """Refuse a checkpoint whose global batch the run was not resolved for (a run resolved
-        without reading it, or a resume that fell back to an older checkpoint of another batch)."""
+        without reading it, or a resume that fell back to an older checkpoint of another batch);
+        a step-0 checkpoint (``seqpar import``) has trained nothing and has no batch to keep."""
         data = extra.get("data")
-        saved = data.get("global_batch") if isinstance(data, dict) else None
+        saved = data.get("global_batch") if isinstance(data, dict) and data.get("step") != 0 else None
         run = self.run
         if not isinstance(saved, int) or saved in (run.global_batch, run.saved_global_batch):
             return
