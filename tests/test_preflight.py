@@ -19,8 +19,8 @@ def _train(tmp_path, capsys, *args) -> tuple[int, str]:
     """``seqpar train ARGS`` in this process (the entry point's error path); its exit code and stderr."""
     tokens = tmp_path / "tokens.npy"
     np.save(tokens, np.arange(4000, dtype=np.uint16) % 128)
-    code = run_entry_point("seqpar train", train_main, [*args, f"data.source={tokens}", "checkpoint.resume=never",
-                                                        f"checkpoint.dir={tmp_path / 'ckpt'}", f"out_dir={tmp_path / 'out'}"])
+    paths = [f"data.source={tokens}", f"checkpoint.dir={tmp_path / 'ckpt'}", f"out_dir={tmp_path / 'out'}"]
+    code = run_entry_point("seqpar train", train_main, [*args, *paths, "checkpoint.resume=never"])
     return code, capsys.readouterr().err
 
 
