@@ -147,9 +147,15 @@ def test_load_precedence_cli_over_file_over_defaults(tmp_path):
 
 
 def test_load_file_errors(tmp_path):
-    empty = tmp_path / "empty.yaml"
-    empty.write_text("")
-    assert load(Config, empty, ["name=x"]) == Config(name="x")
+    # a file that sets nothing would run the defaults unnoticed: refused, even with overrides
+    for text in ("", "# only a comment\n", "{}\n", "model:\ntrain: {}\n"):
+        empty = tmp_path / "empty.yaml"
+        empty.write_text(text)
+        with pytest.raises(ConfigError, match=r"empty\.yaml' sets no key .* set at least one of \['model', 'name', "
+                                              r"'train'\], or leave the file out"):
+            load(Config, empty, ["name=x"])
+    empty.write_text("name: x\nmodel:\n")
+    assert load(Config, empty) == Config(name="x")
     listy = tmp_path / "list.yaml"
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match=r"list\.yaml' must hold a mapping at top level, got list"):

@@ -19,9 +19,10 @@ from .files import CheckpointDir, checkpoint_problem, complete_checkpoints, late
 from .compat import check_compatible, data_identity
 from .safe_metadata import SafeReader
 from .save_load import PendingCheckpoint, load_checkpoint, load_model_only, save_checkpoint
-from .resume import named_checkpoint, resume_latest, resume_named
+from .resume import named_checkpoint, resume_latest, resume_named, saved_global_batch
 
 __all__ = ["CheckpointCorrupt", "CheckpointDir", "CheckpointError", "CheckpointMismatch", "CheckpointWriteError",
            "PendingCheckpoint", "SafeReader", "UnsafeCheckpoint", "check_compatible", "checkpoint_problem",
            "complete_checkpoints", "data_identity", "latest_checkpoint", "load_checkpoint", "load_model_only",
-           "named_checkpoint", "open_checkpoint_dir", "resume_latest", "resume_named", "save_checkpoint"]
+           "named_checkpoint", "open_checkpoint_dir", "resume_latest", "resume_named", "save_checkpoint",
+           "saved_global_batch"]

@@ -9,6 +9,7 @@ named by its path is never replaced by another: any problem with it is an error 
 """
 from __future__ import annotations
 
+import json
 import warnings
 from pathlib import Path
 
@@ -72,4 +73,28 @@ def resume_named(path: str | Path, model, optimizer, streams, *, config, data: d
                                    verify=config.checkpoint.verify)
 
 
-__all__ = ["named_checkpoint", "resume_latest", "resume_named"]
+
+def saved_global_batch(root: str | Path, *, folder: Path | None = None) -> int | None:
+    """The global batch (sequences per optimizer step) the checkpoint a resume would load was
+    trained with: ``data.global_batch`` of ``extra.json`` (plain JSON, nothing else read) of the
+    first complete checkpoint under ``root`` whose ``extra.json`` holds one, in
+    :func:`resume_latest`'s order; ``None`` when there is none or it is a step-0 checkpoint
+    (``seqpar import``'s: nothing trained, so no batch to keep). No collective, no warning: every
+    rank calls it before the run is resolved, and the resume itself reports what it skips."""
+    for folder in [folder] if folder is not None else resume_order(root)[0]:
+        try:
+            extra = json.loads((folder / "extra.json").read_text())
+        except (OSError, ValueError):
+            continue
+        data = extra.get("data") if isinstance(extra, dict) else None
+        if not isinstance(data, dict):
+            continue
+        if data.get("step") == 0:  # nothing trained yet (seqpar import): no batch to keep
+            return None
+        batch = data.get("global_batch")
+        if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0:
+            return batch
+    return None
+
+
+__all__ = ["named_checkpoint", "resume_latest", "resume_named", "saved_global_batch"]

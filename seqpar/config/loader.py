@@ -279,9 +279,23 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
+def _check_not_empty(cls: type, path: str | Path, data: dict) -> None:
+    """Refuse a file that sets nothing (empty, only comments, ``{}``, sections without keys): it
+    would run the defaults unnoticed, most likely not what the file was meant to say."""
+    if any(value not in (None, {}) for value in data.values()):
+        return
+    keys = sorted(config_key(f) for f in dataclasses.fields(cls) if f.init)
+    raise ConfigError(f"config file {str(path)!r} sets no key (it is empty or its sections are), so it would "
+                      f"run the built-in defaults; set at least one of {keys}, or leave the file out to use "
+                      f"the defaults")
+
+
 def load(cls: type[T], path: str | Path | None, overrides: Iterable[str] = ()) -> T:
-    """Build ``cls`` from defaults, then file ``path`` (if given), then ``key=value`` overrides."""
+    """Build ``cls`` from defaults, then file ``path`` (if given; a file that sets no key is
+    refused), then ``key=value`` overrides."""
     data = read_yaml(path) if path is not None else {}
+    if path is not None:
+        _check_not_empty(cls, path, data)
     return from_dict(cls, merge(data, parse_overrides(overrides)))
 
 

@@ -54,7 +54,7 @@ class ParallelConfig(Freezable):
     dp: int | None = None        # data-parallel size; None = world size / (pp x cp x tp)
     pp: int = 1                  # pipeline stages p (outermost: each stage is dp x tp consecutive ranks)
     virtual_stages: int = 1      # model chunks m per pipeline rank (the interleaved schedule)
-    timeout_minutes: float = 10  # a collective waiting longer fails the job instead of hanging it
+    timeout_minutes: float = 10  # a collective, or a wait for the data cache's lock, lasting longer fails the job
     # how gradients (and state) are shared over dp: "fsdp" shards parameters, gradients and AdamW
     # state over dp (FSDP2 fully_shard per block and on the root); "ddp" replicates them and
     # all-reduces gradients. None = fsdp when dp > 1 (with dp = 1 nothing is sharded either way)
@@ -138,7 +138,8 @@ class DataConfig(Freezable):
 class TrainConfig(Freezable):
     steps: int = 200
     micro_batch: int = 8         # sequences per rank per micro-step
-    global_batch: int | None = None  # sequences per optimizer step; None = micro_batch * dp (no accumulation)
+    global_batch: int | None = None  # sequences per optimizer step; None = micro_batch * dp (no accumulation),
+    #                                  or on a resume the checkpoint's (kept at any dp)
     lr: float = 1e-3
     min_lr: float = 1e-4         # cosine decay floor
     warmup_steps: int = 20
@@ -166,6 +167,9 @@ class TrainConfig(Freezable):
     # GiB per GPU that model.recompute: auto must fit (state, activations and the planner's
     # workspace allowance, seqpar.plan.memory); None = no budget
     memory_budget_gib: float | None = None
+    # refuse, before anything is built, a run whose predicted peak memory per rank (the planner's
+    # formulas) exceeds the device's (a GPU's memory; on the CPU the host's RAM over its ranks)
+    memory_check: bool = True
 
     def validate(self) -> None:
         for name in ("steps", "micro_batch", "global_batch", "log_interval", "eval_batches", "threads_per_rank",

@@ -5,7 +5,8 @@
     text.py       a text source's documents in pieces another process can read
     records.py    Hugging Face datasets files (jsonl, parquet, arrow) as text (the ``data`` extra)
     tokenizer.py  tokenizers users bring (data.tokenizer, a checkpoint's), their end-of-text id
-    cache.py      the verified, atomically written token cache, its lock and the local BPE
+    cache.py      the verified, atomically written token cache and the local BPE
+    lock.py       the cache's file locks: a bounded wait that names the holder
     shards.py     a large cache encoded in shards by every rank and worker, resumable
     tokens.py     token sources read in place: shard folders, Megatron .bin/.idx
     batches.py    a step's batch cut from its global batch (dp- and micro-batch-invariant), eval batches

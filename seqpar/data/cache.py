@@ -4,18 +4,17 @@ A folder ``corpus-<fingerprint>/`` holds ``tokenizer.json``, ``tokens.bin`` (raw
 ``meta.json``. Each file is written under a temporary name, fsynced, renamed into place and the
 folder fsynced; ``meta.json`` comes last and records each file's size and SHA-256, so a folder
 either verifies completely (:func:`cache_problem`) or is rebuilt (:func:`build_cache`). The
-policy (when to build, what to tell the user) lives in :mod:`seqpar.data.corpus`.
+policy (when to build, what to tell the user) lives in :mod:`seqpar.data.corpus`; the lock that
+lets one process build it, in :mod:`seqpar.data.lock`.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
 import uuid
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
 
 import numpy as np
 from tokenizers import ByteLevelBPETokenizer, Tokenizer
@@ -51,18 +50,6 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
         _fsync(path.parent)
     finally:
         tmp.unlink(missing_ok=True)
-
-
-@contextmanager
-def locked(path: Path, log: Log) -> Iterator[None]:
-    """Hold an exclusive ``flock`` on ``path`` (created if needed), saying so when another process has it."""
-    with open(path, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log(f"data: waiting for another process preparing the corpus (lock {path})")
-            fcntl.flock(f, fcntl.LOCK_EX)  # no timeout: the holder's exit frees it
-        yield
 
 
 def file_digest(path: Path, dtype: np.dtype | None = None) -> dict | None:

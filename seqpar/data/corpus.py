@@ -30,8 +30,10 @@ the problem. Token files are range-checked when opened, so batches cut from any 
 ids inside the vocabulary.
 
 Under distributed training every rank calls :func:`prepare_corpus`: a file lock lets one process
-build the cache while the others wait on the lock (no collective, so no process-group timeout
-applies however long the build takes), then each opens the verified result. Batches are cut by
+build the cache while the others wait on the lock (no collective), then each opens the verified
+result. A waiter names the holder (a rank of its own job, or another process's pid and host) and
+gives up after ``lock_timeout_s`` (the run's ``parallel.timeout_minutes``), naming the lock file
+and the holder (:mod:`seqpar.data.lock`). Batches are cut by
 :mod:`seqpar.data.batches`.
 """
 from __future__ import annotations
@@ -48,7 +50,8 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from .cache import EOT, Log, cache_problem, locked
+from .cache import EOT, Log, cache_problem
+from .lock import locked
 from .shards import encode_shards, finish_cache, start_cache
 from .text import Document, TextInput, file_input
 from .errors import DataError
@@ -143,9 +146,10 @@ def _text_plan(source, vocab_size: int, base: Path, max_bytes: int, exclude, tok
 def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_dir: str | Path | None = None,
                    max_bytes: int = DEFAULT_MAX_BYTES, log: Log = print, exclude: Iterable[str | Path] = (),
                    tokenizer: Tokenizer | None = None, eot_id: int | None = None, text_field: str = "text",
-                   workers: int = 1) -> Corpus:
+                   workers: int = 1, lock_timeout_s: float | None = None) -> Corpus:
     """Encode the corpus unless a verified cache exists (training a BPE first when no
-    ``tokenizer`` is given); return the opened corpus.
+    ``tokenizer`` is given); return the opened corpus. ``lock_timeout_s``: the longest wait for a
+    lock another process holds (None: no limit), then :class:`DataError` names it and its holder.
 
     Safe to call from every rank at once: the tokenizer is trained once under the cache's file
     lock; a corpus of one shard is encoded there too (the others wait, then verify and reuse it),
@@ -167,7 +171,7 @@ def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_d
             f"raise it to read more")
     base.mkdir(parents=True, exist_ok=True)
     lock, given = base / f"{plan.folder.name}.lock", tokenizer is not None
-    with locked(lock, log):
+    with locked(lock, log, timeout_s=lock_timeout_s):
         meta, problem = cache_problem(plan.folder, plan.fp, vocab_size)
         if meta is None:
             if (plan.folder / "meta.json").exists() or (plan.folder / "tokens.bin").exists():
@@ -176,8 +180,8 @@ def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_d
             if len(job.shards) == 1:
                 meta = _finish(job, source, vocab_size, log, given)
     if meta is None:  # several shards: every caller encodes them, outside the lock
-        encode_shards(job, workers, log)
-        with locked(lock, log):
+        encode_shards(job, workers, log, timeout_s=lock_timeout_s)
+        with locked(lock, log, timeout_s=lock_timeout_s):
             meta, problem = cache_problem(plan.folder, plan.fp, vocab_size)
             if meta is None:
                 meta = _finish(job, source, vocab_size, log, given)

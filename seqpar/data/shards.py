@@ -14,7 +14,6 @@ joined by the end-of-text id, so the shards read one after another are the corpu
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import multiprocessing
@@ -28,6 +27,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from .cache import Log, atomic_write, cache_tokenizer, file_digest, token_dtype
+from .lock import locked, try_lock
 from .text import TextInput
 
 SHARD_BYTES = 64 << 20  # text per shard; a corpus below it is one shard (tokens.bin)
@@ -121,13 +121,13 @@ def shard_record(job: ShardJob, k: int) -> dict | None:
 
 @contextmanager
 def _try_lock(path: Path) -> Iterator[bool]:
-    with open(path, "a") as f:
+    with open(path, "a+") as f:
+        mine = try_lock(f)
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            yield False
-            return
-        yield True
+            yield mine
+        finally:
+            if mine:
+                f.truncate(0)  # released: no stale name for the next waiter
 
 
 def _claim(job: ShardJob, tok: Tokenizer, on_done=None) -> None:
@@ -167,10 +167,11 @@ class _Progress:
                  f"{rate / 1e6:.1f} MB/s, ETA {when}")
 
 
-def encode_shards(job: ShardJob, workers: int, log: Log) -> None:
+def encode_shards(job: ShardJob, workers: int, log: Log, timeout_s: float | None = None) -> None:
     """Encode the job's unfinished shards with this process and ``workers - 1`` helpers (spawned),
     alongside whatever other processes (ranks) do the same; return once every shard is finished.
-    A shard whose encoder died is encoded here."""
+    A shard whose encoder died is encoded here; one held longer than ``timeout_s`` seconds fails
+    naming its lock and holder."""
     tok, progress = Tokenizer.from_str(job.tokenizer), _Progress(job, log)
     ctx = multiprocessing.get_context("spawn")
     helpers = [ctx.Process(target=_helper, args=(job,), daemon=True) for _ in range(workers - 1)]
@@ -179,8 +180,7 @@ def encode_shards(job: ShardJob, workers: int, log: Log) -> None:
     try:
         _claim(job, tok, progress)
         for k in range(len(job.shards)):  # wait for the shards others hold; take over any they left
-            with open(job.lock_path(k), "a") as f:
-                fcntl.flock(f, fcntl.LOCK_EX)
+            with locked(job.lock_path(k), None, timeout_s=timeout_s, what=f"encoding shard {k}"):
                 if shard_record(job, k) is None:
                     encode_shard(job, k, tok)
             progress()

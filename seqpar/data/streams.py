@@ -44,8 +44,9 @@ def run_tokenizer(cfg: RunConfig, needs_eot: bool) -> tuple[Tokenizer | None, in
 
 def load_corpus(cfg: RunConfig, log: Callable[[str], None]) -> Corpus:
     """Every rank prepares the corpus (each source of a blend): one builds (tokenizes, caches) it
-    while the others wait on the cache's file lock, which has no timeout, instead of in a
-    collective that has one. The run's output and checkpoint folders are never part of a corpus."""
+    while the others wait on the cache's file lock, at most ``parallel.timeout_minutes`` (then the
+    error names the lock and its holder). The run's output and checkpoint folders are never part
+    of a corpus."""
     dc, mc = cfg.data, cfg.model
     sources = [part.source for part in dc.sources] or [dc.source]
     skip = (cfg.out_dir, cfg.checkpoint.dir, dc.cache_dir or default_cache_dir())  # never part of a corpus
@@ -58,7 +59,8 @@ def load_corpus(cfg: RunConfig, log: Callable[[str], None]) -> Corpus:
                         f"own BPE); set data.tokenizer")
     parts = [prepare_corpus(s, vocab_size=mc.vocab_size, cache_dir=dc.cache_dir, max_bytes=dc.max_bytes, log=log,
                             exclude=(cfg.out_dir, cfg.checkpoint.dir), tokenizer=tok, eot_id=eot,
-                            text_field=dc.text_field, workers=dc.workers) for s in sources]
+                            text_field=dc.text_field, workers=dc.workers,
+                            lock_timeout_s=cfg.parallel.timeout_minutes * 60) for s in sources]
     for s, corpus in zip(sources, parts):
         if corpus.vocab_size > mc.vocab_size:
             raise DataError(f"data.source={s!r} needs vocab_size >= {corpus.vocab_size}, model.vocab_size is "

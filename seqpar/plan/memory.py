@@ -121,7 +121,8 @@ def context_transient(model: GPTConfig, layout: Layout) -> float:
                                      kv_heads=model.held_kv_heads(layout.tp) // layout.tp, head_dim=model.head_dim))
 
 
-def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, precision: str) -> dict[str, float]:
+def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, precision: str,
+                  workspace: float = WORKSPACE_BYTES) -> dict[str, float]:
     chunk = model.layers // (layout.pp * layout.virtual_stages)
     counts = layout.recompute.per_stage(chunk, layout.virtual_stages)
     per = per_layer_activations(model, layout, precision)
@@ -142,24 +143,26 @@ def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, pr
                             first=stage == 0, last=stage == layout.pp - 1)
     parts["outside_layers"] = float(sum(outside.values()))
     parts["backward_transient"] = working
-    parts["workspace"] = allowance(parts)
+    parts["workspace"] = allowance(parts, workspace)
     return parts
 
 
-def allowance(parts: dict[str, float]) -> float:
-    """What no tensor shows: :data:`WORKSPACE_BYTES` plus :data:`FRAGMENTATION` of ``parts`` (every
-    other term, in bytes)."""
-    return WORKSPACE_BYTES + FRAGMENTATION * sum(v for k, v in parts.items() if k != "workspace")
+def allowance(parts: dict[str, float], workspace: float = WORKSPACE_BYTES) -> float:
+    """What no tensor shows: ``workspace`` (:data:`WORKSPACE_BYTES` on a GPU) plus
+    :data:`FRAGMENTATION` of ``parts`` (every other term, in bytes)."""
+    return workspace + FRAGMENTATION * sum(v for k, v in parts.items() if k != "workspace")
 
 
 def stage_memory(model: GPTConfig, layout: Layout, capacity: float, global_batch: int, stage: int,
-                 precision: str = "bf16") -> Memory:
-    """Bytes per GPU by part on pipeline stage ``stage`` (0 = first) of ``layout``."""
+                 precision: str = "bf16", workspace: float = WORKSPACE_BYTES) -> Memory:
+    """Bytes per GPU by part on pipeline stage ``stage`` (0 = first) of ``layout``; ``workspace``:
+    the allowance for the CUDA context, cuBLAS workspaces and NCCL buffers (0 for a CPU rank)."""
     if precision not in ACTIVATION_BYTES:
         raise ValueError(f"precision must be one of {sorted(ACTIVATION_BYTES)}, got {precision!r}")
     if not 0 <= stage < layout.pp:
         raise ValueError(f"stage must lie in [0, {layout.pp}), got {stage}")
-    return Memory(_stage_memory(model, layout, micro_batches(layout, global_batch), stage, precision), capacity, stage)
+    return Memory(_stage_memory(model, layout, micro_batches(layout, global_batch), stage, precision, workspace),
+                  capacity, stage)
 
 
 def memory_per_gpu(model: GPTConfig, layout: Layout, capacity: float, global_batch: int,

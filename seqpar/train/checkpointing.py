@@ -14,10 +14,27 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..checkpoint import resume_latest, resume_named, save_checkpoint
-from ..config import dump
+from ..checkpoint import (CheckpointError, CheckpointMismatch, named_checkpoint, resume_latest, resume_named,
+                          save_checkpoint, saved_global_batch)
+from ..config import RunConfig, dump
 from .faults import check_finite_weights
 from .resolve import ResolvedRun
+
+
+def resume_global_batch(cfg: RunConfig) -> int | None:
+    """The global batch of the checkpoint ``checkpoint.resume`` would continue (``None``: no
+    resume, or no checkpoint); read on every rank before the run is resolved, so a resume at
+    another dp keeps it (:func:`seqpar.train.resolve.keep_saved_batch`)."""
+    ck = cfg.checkpoint
+    if ck.resume == "never":
+        return None
+    if ck.resume == "auto":
+        return saved_global_batch(ck.dir)
+    try:
+        folder = named_checkpoint(ck.resume)
+    except CheckpointError:
+        return None  # the resume itself refuses the path, naming it
+    return saved_global_batch(folder.parent, folder=folder)
 
 
 class CheckpointManager:
@@ -84,10 +101,28 @@ class CheckpointManager:
         if found is None:
             return None
         latest, extra = found
+        self._check_batch(latest, extra)
         self.batches.load_state_dict(extra["data"])
         self.good = latest
         self.print(f"resumed from {latest} at step {int(extra['step'])}")
         return int(extra["step"])
 
+    def _check_batch(self, folder: Path, extra: dict) -> None:
+        """Refuse a checkpoint whose global batch the run was not resolved for (a run resolved
+        without reading it, or a resume that fell back to an older checkpoint of another batch);
+        a step-0 checkpoint (``seqpar import``) has trained nothing and has no batch to keep."""
+        data = extra.get("data")
+        saved = data.get("global_batch") if isinstance(data, dict) and data.get("step") != 0 else None
+        run = self.run
+        if not isinstance(saved, int) or saved in (run.global_batch, run.saved_global_batch):
+            return
+        if run.saved_global_batch is None:
+            how = (f"resolve the run with resolve_run(..., saved_global_batch={saved}), as Trainer does given a "
+                   f"RunConfig")
+        else:
+            how = f"it was resolved for the {run.saved_global_batch} of a newer checkpoint; start it again"
+        raise CheckpointMismatch(f"checkpoint {folder} trained with a global batch of {saved} sequences, this run "
+                                 f"trains {run.global_batch}: {how}")
 
-__all__ = ["CheckpointManager"]
+
+__all__ = ["CheckpointManager", "resume_global_batch"]

@@ -3,9 +3,11 @@
 Every derived value the Trainer needs is computed here by one pure function (no
 ``torch.distributed``, no files): the data-parallel size from the world size, the pipeline's
 batch split, the accumulation steps, ``ddp`` or ``fsdp``, the pipeline schedule and its
-micro-batch check, and ``model.recompute: auto``'s per-layer modes. Nothing rewrites the config
-after it: the Trainer reads the frozen :class:`ResolvedRun`, whose config is a read-only copy
-(:func:`seqpar.model.config.freeze`; assigning to any of its sections raises).
+micro-batch check, ``model.recompute: auto``'s per-layer modes, and on a resume the global batch
+the checkpoint trained with (:func:`keep_saved_batch`; the Trainer reads it from the checkpoint
+first and passes it in). Nothing rewrites the config after it: the Trainer reads the frozen
+:class:`ResolvedRun`, whose config is a read-only copy (:func:`seqpar.model.config.freeze`;
+assigning to any of its sections raises).
 """
 from __future__ import annotations
 
@@ -30,6 +32,13 @@ class ResolvedRun:
     dp_mode: str              # "ddp" | "fsdp"
     schedule: str | None      # the pipeline schedule (None without pipeline stages)
     recompute_note: str | None = None  # what model.recompute: auto chose, for the header
+    saved_global_batch: int | None = None  # the checkpoint's global batch the run was resolved for (a resume)
+    batch_note: str | None = None      # how the run keeps (or changes) the checkpoint's global batch
+
+    @property
+    def global_batch(self) -> int:
+        """Sequences per optimizer step: ``micro_batch x accum x dp``."""
+        return self.cfg.train.micro_batch * self.accum * self.dp
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cfg", freeze(self.cfg))  # a read-only copy: the caller's config stays its own
@@ -45,6 +54,42 @@ def _split_for_pipeline(tc: TrainConfig, pp: int, dp: int) -> TrainConfig:
     return dataclasses.replace(tc, micro_batch=tc.micro_batch // pp, global_batch=tc.micro_batch * dp)
 
 
+def keep_saved_batch(cfg: RunConfig, dp: int, saved: int) -> tuple[RunConfig, str | None]:
+    """A resume trains the global batch its checkpoint trained with, ``saved`` sequences, at any dp.
+
+    ``train.global_batch`` given: it is kept (a deliberate change, noted when it differs).
+    Otherwise, when ``micro_batch x dp`` is not ``saved``, the config gets ``global_batch=saved``
+    and the largest ``micro_batch`` (at most the configured one) that splits it over ``dp`` ranks
+    into whole micro-batches (with ``pp > 1``: enough for the schedule); the note says what
+    changed. Raises ``ValueError`` naming both batches when no micro-batch can (``saved`` not a
+    multiple of ``dp``)."""
+    tc, pc = cfg.train, cfg.parallel
+    if tc.global_batch is not None:
+        same = tc.global_batch == saved
+        return cfg, None if same else (f"train.global_batch={tc.global_batch} replaces the checkpoint's global "
+                                       f"batch of {saved} sequences")
+    if tc.micro_batch * dp == saved:
+        return cfg, None
+    schedule = resolve_schedule(pc.pp_schedule, pc.virtual_stages) if pc.pp > 1 else None
+    for micro in range(min(tc.micro_batch, saved // dp), 0, -1):
+        accum, rest = divmod(saved, micro * dp)
+        if rest:
+            continue
+        if schedule is not None:
+            try:
+                check_microbatches(accum, pc.pp, schedule)
+            except ValueError:
+                continue
+        note = (f"resume keeps the checkpoint's global batch of {saved} sequences at dp={dp}: "
+                f"train.micro_batch {tc.micro_batch}" + (f" -> {micro}" if micro != tc.micro_batch else "")
+                + f", accumulation {accum} (set train.global_batch to change it)")
+        return dataclasses.replace(cfg, train=dataclasses.replace(tc, micro_batch=micro, global_batch=saved)), note
+    raise ValueError(f"the checkpoint in checkpoint.dir={cfg.checkpoint.dir!r} trained with a global batch of "
+                     f"{saved} sequences, which dp={dp} data-parallel ranks cannot split (this layout's "
+                     f"micro_batch x dp = {tc.micro_batch} x {dp} would train {tc.micro_batch * dp}); resume "
+                     f"at a dp that divides {saved}, or set train.global_batch to change the global batch")
+
+
 def _auto_recompute(cfg: RunConfig, dp: int, device: str) -> tuple[RunConfig, str]:
     """``model.recompute: auto`` -> ``model.recompute_layers`` (the same search as ``seqpar plan``)."""
     planned = resolve_recompute(dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=dp)),
@@ -56,14 +101,20 @@ def _auto_recompute(cfg: RunConfig, dp: int, device: str) -> tuple[RunConfig, st
     return dataclasses.replace(cfg, model=planned.model), note
 
 
-def resolve_run(cfg: RunConfig, world_size: int, device: str = "cpu") -> ResolvedRun:
+def resolve_run(cfg: RunConfig, world_size: int, device: str = "cpu", *,
+                saved_global_batch: int | None = None) -> ResolvedRun:
     """Validate ``cfg`` and resolve it for ``world_size`` ranks on ``device`` (``"cpu"`` or
-    ``"cuda"``: what ``recompute: auto`` plans for). Pure arithmetic on the config: every rank
-    raises the same ``ValueError`` before any collective. ``cfg`` itself is left untouched; the
-    run holds a read-only copy of it."""
+    ``"cuda"``: what ``recompute: auto`` plans for). ``saved_global_batch``: the global batch of
+    the checkpoint the run resumes (:func:`seqpar.train.checkpointing.resume_global_batch`), kept
+    at any dp (:func:`keep_saved_batch`). Pure arithmetic on the config: every rank raises the
+    same ``ValueError`` before any collective. ``cfg`` itself is left untouched; the run holds a
+    read-only copy of it."""
     cfg.validate()
     pc = cfg.parallel
     dp = validate_layout(pc.tp, pc.dp, world_size, pc.pp, pc.cp)
+    batch_note = None
+    if saved_global_batch is not None:
+        cfg, batch_note = keep_saved_batch(cfg, dp, saved_global_batch)
     if pc.pp > 1 and cfg.train.global_batch is None:
         cfg = dataclasses.replace(cfg, train=_split_for_pipeline(cfg.train, pc.pp, dp))
     accum = cfg.accumulation_steps(dp)
@@ -75,7 +126,8 @@ def resolve_run(cfg: RunConfig, world_size: int, device: str = "cpu") -> Resolve
     if cfg.model.recompute == "auto":
         cfg, note = _auto_recompute(cfg, dp, device)
     return ResolvedRun(cfg=cfg, world_size=world_size, dp=dp, accum=accum, dp_mode=pc.data_parallel_mode(dp),
-                       schedule=schedule, recompute_note=note)
+                       schedule=schedule, recompute_note=note, saved_global_batch=saved_global_batch,
+                       batch_note=batch_note)
 
 
-__all__ = ["ResolvedRun", "resolve_run"]
+__all__ = ["ResolvedRun", "keep_saved_batch", "resolve_run"]

@@ -2,8 +2,9 @@
 
 Setup (``Trainer(cfg)``), in order: the run resolved by :func:`seqpar.train.resolve.resolve_run`
 (validated on every rank before any collective; pipeline batch split, accumulation, ddp/fsdp,
-``recompute: auto``) -> mesh -> header and resolved config -> corpus (every rank prepares it; a
-file lock, not a collective, makes the others wait while one builds the cache), train stream and
+``recompute: auto``, a resumed checkpoint's global batch) -> mesh -> header and resolved config
+-> corpus (every rank prepares it; a file lock, not a collective, makes the others wait while one
+builds the cache), train stream and
 eval batches -> the step engine (:mod:`seqpar.parallel.engine`: the GPT over FSDP2 or DDP on dp,
 or this rank's pipeline stages) -> optimizer -> checkpoint manager. :meth:`Trainer.fit` then
 resumes and runs the loop.
@@ -39,12 +40,13 @@ from ..distributed.mesh import ParallelMesh, init_parallel
 from ..parallel.data_parallel import state_bytes, state_line
 from ..parallel.compile import compile_seconds
 from ..parallel.engine import build_engine
-from .checkpointing import CheckpointManager
+from ..parallel.precision import Precision
+from .checkpointing import CheckpointManager, resume_global_batch
 from .faults import NonFiniteError, SkippedSteps, StopRequest, nonfinite_error, nonfinite_what
 from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, lr_at
-from ..parallel.precision import Precision
+from .preflight import check_memory
 from .resolve import ResolvedRun, resolve_run
 
 
@@ -88,9 +90,11 @@ class Trainer:
     def __init__(self, cfg: RunConfig | ResolvedRun, *, mesh: ParallelMesh | None = None):
         world = mesh.world_size if mesh else _world_size()
         device = mesh.device.type if mesh else _default_device()
-        self.run = cfg if isinstance(cfg, ResolvedRun) else resolve_run(cfg, world, device)
+        self.run = cfg if isinstance(cfg, ResolvedRun) else resolve_run(
+            cfg, world, device, saved_global_batch=resume_global_batch(cfg))
         if self.run.world_size != world:
             raise ValueError(f"the run was resolved for world size {self.run.world_size}, got {world}")
+        check_memory(self.run, mesh.device if mesh else device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         self.cfg, self.tc, self.mc = self.run.cfg, self.run.cfg.train, self.run.cfg.model
         self.dp, self.accum, self.dp_mode = self.run.dp, self.run.accum, self.run.dp_mode
         self.mesh = self._setup_mesh(mesh)
@@ -132,8 +136,9 @@ class Trainer:
         self.logger.print(f"seqpar: {self.mesh}; model {mc.layers}L h={mc.hidden} a={mc.heads} s={mc.seq_len} "
                           f"v={mc.vocab_size}; sequence_parallel={mc.sequence_parallel} recompute={mc.recompute}; "
                           f"micro_batch={tc.micro_batch} x accumulation {self.accum} x dp {self.dp}")
-        if self.run.recompute_note:
-            self.logger.print(self.run.recompute_note)
+        for note in (self.run.recompute_note, self.run.batch_note):
+            if note:
+                self.logger.print(note)
         if self.mesh.is_first:
             Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
             (Path(cfg.out_dir) / "config.yaml").write_text(dump(cfg))
