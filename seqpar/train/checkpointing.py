@@ -66,7 +66,7 @@ class CheckpointManager:
         and refuses a different model or data); returns its step, or None when there is none."""
         ck = self.run.cfg.checkpoint
         found = resume_latest(ck.dir, self.parts, self.optimizer, self.streams, config=self.run.cfg,
-                              data=self.data) if ck.resume == "auto" else None
+                              data=self.data, log=self.print) if ck.resume == "auto" else None
         if found is None:
             return None
         latest, extra = found
