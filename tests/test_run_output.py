@@ -1,11 +1,15 @@
 """What `seqpar train` prints, through the command line: no warning lines of torch or other
 libraries in a normal run (one process, two, compiled), seqpar's own events as lines of the run's
-log that `PYTHONWARNINGS=ignore` does not hide."""
+log that `PYTHONWARNINGS=ignore` does not hide, and a line when `--max-restarts` restarts ranks."""
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+from seqpar.checkpoint import complete_checkpoints
 
 from run_helpers import random_tokens
 
@@ -66,3 +70,39 @@ def test_two_compiled_ranks_print_no_warnings(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert any(ln.startswith("compile: 1 transformer block compiled") for ln in p.stdout.splitlines()), p.stdout
     assert _warning_lines(p.stdout + p.stderr) == [], p.stdout + p.stderr
+
+
+def _wait(cond, proc: subprocess.Popen, log: Path, what: str, timeout: float = 300) -> None:
+    t0 = time.time()
+    while not cond():
+        if proc.poll() is not None or time.time() - t0 > timeout:
+            proc.kill()
+            raise AssertionError(f"{what} did not happen:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)
+
+
+def test_a_restart_says_which_rank_died_then_where_it_resumes(tmp_path):
+    """--max-restarts 1, one rank killed after its first checkpoint: the launcher names the rank and
+    its signal and says the ranks restart (1 of 1), before the restarted run's resume line."""
+    ov = _overrides(tmp_path, "ckpt", train__steps=100000, checkpoint__interval=2, checkpoint__resume="auto")
+    log = tmp_path / "run.log"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"} | {"PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(SEQPAR + ["--nproc-per-node", "1", "--max-restarts", "1"] + ov, cwd=tmp_path,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait(lambda: complete_checkpoints(tmp_path / "ckpt"), proc, log, "a first checkpoint")
+        rank = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[0])
+        os.kill(rank, signal.SIGKILL)
+        _wait(lambda: "resumed from" in log.read_text(), proc, log, "a resume")
+        proc.send_signal(signal.SIGTERM)  # forwarded to the rank: it saves and stops, and so does the launcher
+        assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    lines = log.read_text().splitlines()
+    said = [i for i, ln in enumerate(lines) if ln.startswith("seqpar train: rank 0 failed (signal SIGKILL); "
+                                                            "restarting the rank (restart 1 of 1)")]
+    resumed = [i for i, ln in enumerate(lines) if ln.startswith("resumed from")]
+    assert len(said) == 1 and len(resumed) == 1 and said[0] < resumed[0], "\n".join(lines[-40:])
+    assert _warning_lines("\n".join(lines)) == [], "\n".join(lines)

@@ -5,8 +5,9 @@ With ``--nproc-per-node N`` outside torchrun, this command runs torchrun's agent
 then this process's children: SIGTERM or Ctrl-C here is forwarded to them as SIGTERM (they save
 at the next step boundary and exit 0, and so does this command); a second Ctrl-C kills them at
 once (exit 130). A user-input error is printed once for all ranks that saw it (exit 2), without
-torchrun's failure summary, with one rank as with many (:mod:`seqpar.train.relay`); a rank's
-internal failure keeps its traceback (exit 1).
+torchrun's failure summary, with one rank as with many; a rank's internal failure keeps its
+traceback (exit 1); a restart under ``--max-restarts`` names the rank that failed
+(:mod:`seqpar.train.relay`).
 """
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ def _launch(args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    from .relay import report_failures
+    from .relay import RestartNotices, report_failures
     os.environ[LAUNCHER_ENV] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # seqpar.train.relay says it
@@ -165,11 +166,12 @@ def _launch(args) -> int:
     targs = parse_args(["--standalone", "--signals-to-handle=SIGHUP,SIGQUIT", f"--nproc-per-node={args.nproc_per_node}",
                         f"--max-restarts={args.max_restarts}", "-m", "seqpar.train"]
                        + ([args.config] if args.config else []) + args.overrides)
-    forward = _Forward()
+    forward, restarts = _Forward(), RestartNotices(args.nproc_per_node).install()
     try:
         run(targs)
     except ChildFailedError as e:
         return report_failures(e.failures, args.nproc_per_node)
     finally:
+        restarts.remove()
         forward.restore()
     return 0
