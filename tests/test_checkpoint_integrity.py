@@ -362,6 +362,7 @@ def test_background_saves_reuse_their_staging_buffers_and_copy_non_blocking(tmp_
             pending = save_checkpoint(tmp_path / "ckpt", step, model, opt, {"tp": 1}, dump(_run()), model.rng,
                                       keep=0, async_save=True)
             assert pending.finish().is_dir()
+        save_checkpoint(tmp_path / "ckpt", 3, model, opt, {"tp": 1}, dump(_run()), model.rng, keep=0)
     assert len(seen) == 2 and seen[0] == seen[1] and seen[0][0] == id(save_load._STAGING)
-    # DCP's "assuming the intent is to save in a single process", from its writer thread: not printed
+    # DCP's "assuming the intent is to save in a single process" (its writer thread's too): not printed
     assert [str(w.message) for w in caught] == []

@@ -107,9 +107,8 @@ def _one_process() -> Iterator[None]:
 def _one_process_in_background() -> None:
     """The same notice from ``dcp.async_save``'s writer thread, which warns after the call has
     returned, where no ``catch_warnings`` around the call reaches: ignored for good, that message
-    from that one torch module only (a one-process background save; with a process group it never
-    comes)."""
-    warnings.filterwarnings("ignore", message=_ONE_PROCESS, module=r"torch\.distributed\.checkpoint\._async_")
+    from DCP's modules only (a one-process background save; with a process group it never comes)."""
+    warnings.filterwarnings("ignore", message=_ONE_PROCESS, module=r"torch\.distributed\.checkpoint\.")
 
 
 def _rank() -> int:

@@ -60,7 +60,7 @@ _RESTART_LOGGER = "torch.distributed.elastic.agent.server.api"    # "... %s/%s a
 
 
 class RestartNotices(logging.Handler):
-    """Prints ``seqpar train: rank R failed (signal SIGKILL); restarting the 2 ranks (restart 1 of 3)
+    """Prints ``seqpar train: rank R failed (signal SIGKILL); restarting all 2 ranks (restart 1 of 3)
     from the newest checkpoint`` when torchrun's agent restarts the group. Install with
     :meth:`install` around the agent's run (one node: local rank = global rank)."""
 
