@@ -11,10 +11,10 @@ from pathlib import Path
 
 from seqpar.checkpoint import complete_checkpoints
 
-from run_helpers import random_tokens
+from run_helpers import run_overrides
 
-TINY = ["model.vocab_size=64", "model.seq_len=16", "model.hidden=16", "model.heads=2", "model.layers=1",
-        "train.micro_batch=2", "train.eval_interval=0", "train.log_interval=1", "train.warmup_steps=1"]
+TINY = {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 2, "model.layers": 1,
+        "train.micro_batch": 2, "train.eval_interval": 0, "train.log_interval": 1, "train.warmup_steps": 1}
 SEQPAR = [sys.executable, "-m", "seqpar.cli", "train"]
 
 
@@ -30,18 +30,13 @@ def _run(args: list[str], cwd: Path, **env) -> subprocess.CompletedProcess:
     return subprocess.run(SEQPAR + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 
-def _overrides(tmp: Path, ckpt: str, **settings) -> list[str]:
-    return TINY + [f"data.source={random_tokens(tmp / 'tokens.npy')}", f"checkpoint.dir={tmp / ckpt}",
-                   f"out_dir={tmp / 'out'}"] + [f"{k.replace('__', '.')}={v}" for k, v in settings.items()]
-
-
 def test_one_process_run_prints_no_warnings_and_logs_fallbacks_under_pythonwarnings_ignore(tmp_path):
     """A one-process run saves (DCP's single-process notice was printed on every save and load);
     its resume falls back past an incomplete and a damaged checkpoint, each said in the log even
     under PYTHONWARNINGS=ignore (they were UserWarnings, hidden by it)."""
     saves = {"checkpoint__interval": 1, "checkpoint__keep": 3, "checkpoint__resume": "auto"}
     # background saves: DCP's writer thread repeated the notice after the save call had returned
-    p = _run(_overrides(tmp_path, "ckpt", train__steps=2, checkpoint__async="true", **saves), tmp_path)
+    p = _run(run_overrides(tmp_path, TINY, train__steps=2, checkpoint__async="true", **saves), tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
     assert _warning_lines(p.stdout + p.stderr) == [], p.stdout + p.stderr
     ckpt = tmp_path / "ckpt"
@@ -51,7 +46,7 @@ def test_one_process_run_prints_no_warnings_and_logs_fallbacks_under_pythonwarni
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
     (ckpt / "step_00000009").mkdir()  # a save that never finished: no marker
-    p = _run(_overrides(tmp_path, "ckpt", train__steps=3, **saves), tmp_path, PYTHONWARNINGS="ignore")
+    p = _run(run_overrides(tmp_path, TINY, train__steps=3, **saves), tmp_path, PYTHONWARNINGS="ignore")
     assert p.returncode == 0, p.stderr[-3000:]
     log = p.stdout.splitlines()
     assert any(f"checkpoint {ckpt / 'step_00000009'} is incomplete" in ln and "was skipped" in ln
@@ -65,7 +60,7 @@ def test_one_process_run_prints_no_warnings_and_logs_fallbacks_under_pythonwarni
 def test_two_compiled_ranks_print_no_warnings(tmp_path):
     """torch logs "context_fn is passed to torch.utils.checkpoint under torch.compile" from every
     rank that traces a selective-recompute block; seqpar's blocks hold no in-place op."""
-    ov = _overrides(tmp_path, "ckpt", train__steps=2, checkpoint__interval=2, parallel__tp=2,
+    ov = run_overrides(tmp_path, TINY, train__steps=2, checkpoint__interval=2, parallel__tp=2,
                     train__compile="true", model__recompute="selective")
     p = _run(["--nproc-per-node", "2"] + ov, tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -85,7 +80,7 @@ def _wait(cond, proc: subprocess.Popen, log: Path, what: str, timeout: float = 3
 def test_a_restart_says_which_rank_died_then_where_it_resumes(tmp_path):
     """--max-restarts 1, one rank killed after its first checkpoint: the launcher names the rank and
     its signal and says the ranks restart (1 of 1), before the restarted run's resume line."""
-    ov = _overrides(tmp_path, "ckpt", train__steps=100000, checkpoint__interval=2, checkpoint__resume="auto")
+    ov = run_overrides(tmp_path, TINY, train__steps=100000, checkpoint__interval=2, checkpoint__resume="auto")
     log = tmp_path / "run.log"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"} | {"PYTHONUNBUFFERED": "1"}
     with open(log, "w") as out:
