@@ -78,7 +78,7 @@ def max_rel(a: list[float], b: list[float]) -> float:
 # ---------------------------------------------------------------------------------- resume
 def check_resume(device: str, tmp: Path) -> list:
     """12 steps with dropout, checkpointed at 10; resuming at 10 must give steps 11-12 bit for bit.
-    On CUDA the same checkpoint is also resumed on the CPU (other generators: reseeded, warned)."""
+    On CUDA the same checkpoint is also resumed on the CPU (other generators: reseeded, logged)."""
     mesh = ParallelMesh.single(device)
     drop = ["model.dropout=0.1", "model.attention_dropout=0.1", "train.steps=12", "checkpoint.interval=10",
             "checkpoint.keep=3", "train.precision=auto"]
@@ -99,16 +99,14 @@ def check_resume(device: str, tmp: Path) -> list:
                  f"steps {resumed['steps']}, losses {resumed['losses']} vs {whole['losses'][10:12]}",
                  "bit-identical", verdict(same))]
     if device != "cuda":
-        return rows + [Row("resume a CUDA checkpoint on the CPU", NEEDS_CUDA, "runs, warns once", "SKIP")]
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        cpu_cfg = run_config(tmp, "cuda", "resume-again", drop + ["checkpoint.resume=auto"])
-        moved, _ = quiet_fit(cpu_cfg, ParallelMesh.single("cpu"))
-    warned = [w for w in seen if "saved on cuda are restored on cpu" in str(w.message)]
-    ok = moved["steps"] == [11, 12] and all(abs(x) < 1e4 for x in moved["losses"]) and len(warned) >= 1
+        return rows + [Row("resume a CUDA checkpoint on the CPU", NEEDS_CUDA, "runs, logs once", "SKIP")]
+    cpu_cfg = run_config(tmp, "cuda", "resume-again", drop + ["checkpoint.resume=auto"])
+    moved, text = quiet_fit(cpu_cfg, ParallelMesh.single("cpu"))
+    said = text.count("saved on cuda are restored on cpu")  # a line of the run's log, not a warning
+    ok = moved["steps"] == [11, 12] and all(abs(x) < 1e4 for x in moved["losses"]) and said >= 1
     return rows + [Row("resume a CUDA checkpoint on the CPU", f"steps {moved['steps']}, losses "
-                        f"{[round(x, 4) for x in moved['losses']]}, {len(warned)} device-change warning(s)",
-                        "steps [11, 12], finite, warned", verdict(ok))]
+                        f"{[round(x, 4) for x in moved['losses']]}, {said} device-change line(s) in the log",
+                        "steps [11, 12], finite, logged", verdict(ok))]
 
 
 # ---------------------------------------------------------------------------------- precision

@@ -152,3 +152,40 @@ def test_checkpoints_that_are_unsafe_outside_or_in_use_are_one_line(tmp_path):
     p = _run(seqpar + ["generate", str(step), "--tokens", "2"], tmp_path)
     _assert_one_line(p, ".metadata")
     assert not (tmp_path / "pwned.txt").exists()
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_launcher_prints_each_rank_refusal_with_one_rank_as_with_two(tmp_path, nproc):
+    """`seqpar train --nproc-per-node N`: a rank's user error is one line and exit 2 for N = 1 too
+    (before the fix one rank's line had no "rank R:" prefix, so the launcher printed only "rank 0
+    failed (exit code 2)" and exited 1). Refusals: data missing or bad, a world the layout does
+    not fit, a checkpoint dir another job holds, a checkpoint of another model."""
+    from seqpar.checkpoint.files import open_checkpoint_dir
+    seqpar = [sys.executable, "-m", "seqpar.cli"]
+    ckpt = tmp_path / "ckpt"
+    common = TINY + [f"checkpoint.dir={ckpt}", f"out_dir={tmp_path / 'out'}", f"parallel.tp={nproc}"]
+    good = f"data.source={_tokens(tmp_path)}"
+    p = _run(seqpar + ["train", good, "checkpoint.interval=2"] + common[:-1], tmp_path)  # one process
+    assert p.returncode == 0, p.stderr[-3000:]
+    launch = seqpar + ["train", "--nproc-per-node", str(nproc)]
+    cases = [([good, "model.layers=3", "checkpoint.resume=auto"], "holds another model than this run: "
+              "model.layers: 2 -> 3")]
+    if nproc == 1:  # the same lines at 2 ranks: test_train_single_process_and_launcher_print_one_line
+        cases += [([f"data.source={tmp_path / 'nowhere'}", "model.vocab_size=512"],  # a text folder's vocabulary
+                   f"corpus source '{tmp_path / 'nowhere'}' does not exist"),
+                  ([f"data.source={_tokens(tmp_path, bad_id=60000)}"], "id 60000"),
+                  ([good, "parallel.tp=2"], "world size 1 is not divisible by tp=2")]
+    for args, needle in cases:
+        p = _run(launch + common + args, tmp_path)
+        _assert_launcher_line(p, needle, nproc)
+    with open_checkpoint_dir(ckpt, is_first=True):  # another job holds the dir
+        p = _run(launch + common + [good, "checkpoint.resume=auto"], tmp_path)
+    _assert_launcher_line(p, f"checkpoint dir {ckpt} is in use by another job", nproc)
+
+
+def _assert_launcher_line(proc: subprocess.CompletedProcess, needle: str, nproc: int) -> None:
+    _assert_one_line(proc, needle)
+    lines = [ln for ln in proc.stderr.splitlines() if needle in ln]
+    who = "" if nproc == 1 else r"ranks? [01](, 1)?: "
+    assert len(lines) == 1 and re.match(rf"seqpar train: {who}\S", lines[0]), proc.stderr[-3000:]
+    assert "failed (exit code" not in proc.stderr, proc.stderr[-3000:]

@@ -1,5 +1,4 @@
 """The CUDA/NCCL paths, checked on CPU by standing in for what only a GPU machine has."""
-import warnings
 
 import pytest
 import torch
@@ -156,14 +155,13 @@ def _draws(streams: RNGStreams) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(out)
 
 
-def test_cuda_rng_state_restored_on_cpu_reseeds_deterministically_and_warns():
+def test_cuda_rng_state_restored_on_cpu_reseeds_deterministically_and_says_so():
     """Before the fix the CUDA state went into the CPU stream unchecked: "RNG state is wrong size"
     at the first dropout."""
     draws = []
     for tp_rank in (0, 1, 1):
         streams = RNGStreams(5, tp_rank=tp_rank)
-        with pytest.warns(RuntimeWarning, match="saved on cuda are restored on cpu"):
-            streams.set_state(_fake_cuda_streams(5, tp_rank))
+        assert "saved on cuda are restored on cpu" in streams.set_state(_fake_cuda_streams(5, tp_rank))
         draws.append(_draws(streams))
     assert torch.equal(draws[1][0], draws[2][0]) and torch.equal(draws[1][1], draws[2][1])  # deterministic
     assert torch.equal(draws[0][0], draws[1][0])       # replicated: the same on every TP rank
@@ -174,8 +172,7 @@ def test_untagged_cuda_sized_state_is_recognised():
     saved = _fake_cuda_streams(5, 0)
     del saved["device_type"]  # a checkpoint written before the device type was recorded
     streams = RNGStreams(5)
-    with pytest.warns(RuntimeWarning, match="saved on cuda"):
-        streams.set_state(saved)
+    assert "saved on cuda" in streams.set_state(saved)
     _draws(streams)
 
 
@@ -185,9 +182,7 @@ def test_same_device_state_round_trips_exactly():
     state = a.get_state()
     assert state["device_type"] == "cpu"
     b = RNGStreams(0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        b.set_state(state)
+    assert b.set_state(state) is None
     assert all(torch.equal(x, y) for x, y in zip(_draws(a), _draws(b)))
 
 

@@ -101,22 +101,35 @@ def patch_targets(cpu: bool) -> list[tuple[object, str, object]]:
     return targets
 
 
+# what Megatron-LM core warns about that does not apply to the benchmark: optional fused kernels not
+# installed (their local fallbacks are what it measures), a default of its own config, and its own
+# calls to torch's renamed collectives; on the CPU also its CUDA_DEVICE_MAX_CONNECTIONS advice
+_NOTICES = ("Transformer Engine and Apex are not installed", "Apex is not installed",
+            "full scope is deprecated", r"`torch\.distributed\.\w+` is deprecated")
+_CPU_NOTICES = ("When using sequence parallelism it is recommended to set the environment variable "
+                "CUDA_DEVICE_MAX_CONNECTIONS",)
+
+
 @contextmanager
 def megatron_patches(cpu: bool) -> Iterator[None]:
     """Apply :func:`patch_targets` inside the block only; on leaving (also on an exception) every
-    patched attribute is its original object again. Nested blocks restore what they found."""
-    targets = patch_targets(cpu)
-    saved = [(owner, name, vars(owner).get(name, _MISSING)) for owner, name, _ in targets]
-    try:
-        for owner, name, value in targets:
-            setattr(owner, name, value)
-        yield
-    finally:
-        for owner, name, old in reversed(saved):
-            if old is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, old)
+    patched attribute is its original object again. Nested blocks restore what they found.
+    Megatron's notices that do not apply here (:data:`_NOTICES`) are not printed inside it."""
+    with warnings.catch_warnings():
+        for text in _NOTICES + (_CPU_NOTICES if cpu else ()):
+            warnings.filterwarnings("ignore", message=text)
+        targets = patch_targets(cpu)
+        saved = [(owner, name, vars(owner).get(name, _MISSING)) for owner, name, _ in targets]
+        try:
+            for owner, name, value in targets:
+                setattr(owner, name, value)
+            yield
+        finally:
+            for owner, name, old in reversed(saved):
+                if old is _MISSING:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, old)
 
 
 # ---------------------------------------------------------------------------------------- config

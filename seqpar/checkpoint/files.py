@@ -13,8 +13,9 @@ import os
 import re
 import shutil
 import socket
+import sys
 import time
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
@@ -159,14 +160,19 @@ def resume_order(root: str | Path) -> tuple[list[Path], list[str]]:
     return complete, skipped
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The checkpoint to resume from (the first of :func:`resume_order`); warns naming each
-    incomplete checkpoint it skipped. ``None`` when there is none. ``latest`` is advisory (for
-    people and tools): a save that could not rewrite it is still the one resumed."""
+def to_stderr(message: str) -> None:
+    """The default ``log`` of the functions that report what they skipped: one line on stderr."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def latest_checkpoint(root: str | Path, log: Callable[[str], None] = to_stderr) -> Path | None:
+    """The checkpoint to resume from (the first of :func:`resume_order`); ``log`` gets one line
+    naming each incomplete checkpoint it skipped. ``None`` when there is none. ``latest`` is
+    advisory (for people and tools): a save that could not rewrite it is still the one resumed."""
     complete, skipped = resume_order(root)
     chosen = complete[0] if complete else None
     for why in skipped:
-        warnings.warn(f"{why} and was skipped; using {chosen or 'no checkpoint'}", stacklevel=2)
+        log(f"{why} and was skipped; using {chosen or 'no checkpoint'}")
     return chosen
 
 

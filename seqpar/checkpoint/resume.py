@@ -2,49 +2,50 @@
 or the one ``checkpoint.resume=PATH`` names.
 
 A damaged or unreadable checkpoint (:class:`CheckpointCorrupt`: a checksum mismatch, a file that
-cannot be parsed) is skipped with one warning naming the file, for the previous complete one; a
-checkpoint of another model or data (:class:`CheckpointMismatch`) is refused, never skipped, so a
-run never trains over the wrong checkpoint and keep-N never prunes the right ones. A checkpoint
-named by its path is never replaced by another: any problem with it is an error naming it.
+cannot be parsed) is skipped with one line in the run's log naming the file, for the previous
+complete one; a checkpoint of another model or data (:class:`CheckpointMismatch`) is refused, never
+skipped, so a run never trains over the wrong checkpoint and keep-N never prunes the right ones. A
+checkpoint named by its path is never replaced by another: any problem with it is an error naming it.
 """
 from __future__ import annotations
 
 import json
-import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import CheckpointCorrupt, CheckpointError
-from .files import MARKER, _step_of, checkpoint_problem, latest_checkpoint, resume_order
+from .files import MARKER, _step_of, checkpoint_problem, latest_checkpoint, resume_order, to_stderr
 from .save_load import load_checkpoint
 
 
-def resume_latest(root: str | Path, model, optimizer, streams, *, config, data: dict | None = None
-                  ) -> tuple[Path, dict] | None:
+def resume_latest(root: str | Path, model, optimizer, streams, *, config, data: dict | None = None,
+                  log: Callable[[str], None] = to_stderr) -> tuple[Path, dict] | None:
     """Load the newest usable checkpoint under ``root`` (every rank; the arguments as
     :func:`load_checkpoint`'s, ``config.checkpoint.verify`` deciding the checksum check) and return
     ``(folder, extra)``; ``None`` when ``root`` holds no complete checkpoint. Raises
-    :class:`CheckpointCorrupt` when every complete checkpoint is damaged."""
+    :class:`CheckpointCorrupt` when every complete checkpoint is damaged. ``log`` (the run's log:
+    rank 0's print) gets one line per checkpoint skipped and per RNG-device change on load."""
     complete, skipped = resume_order(root)
     for why in skipped:
-        warnings.warn(f"{why} and was skipped; using {complete[0] if complete else 'no checkpoint'}", stacklevel=2)
+        log(f"{why} and was skipped; using {complete[0] if complete else 'no checkpoint'}")
     first = None
     for i, folder in enumerate(complete):
         try:
             return folder, load_checkpoint(folder, model, optimizer, streams, config=config, data=data,
-                                           verify=config.checkpoint.verify)
+                                           verify=config.checkpoint.verify, log=log)
         except CheckpointCorrupt as e:
             first = first or e
             then = f"resuming from {complete[i + 1]} instead" if i + 1 < len(complete) else "no other checkpoint"
-            warnings.warn(f"{e}; {then}", stacklevel=2)
+            log(f"{e}; {then}")
     if first is not None:
         raise CheckpointCorrupt(f"no checkpoint under {root} is intact: {first}")
     return None
 
 
-def named_checkpoint(path: str | Path) -> Path:
+def named_checkpoint(path: str | Path, log: Callable[[str], None] = to_stderr) -> Path:
     """The checkpoint folder ``checkpoint.resume=PATH`` names: ``PATH`` itself when it is a
     checkpoint folder (``step_N``, or any folder holding ``complete.json`` or ``extra.json``), else
-    the newest complete checkpoint in the checkpoint dir ``PATH`` (warning about incomplete ones it
+    the newest complete checkpoint in the checkpoint dir ``PATH`` (``log`` naming incomplete ones it
     passes over, as :func:`~seqpar.checkpoint.files.latest_checkpoint`). Files only, no collective:
     every rank gets the same answer or the same :class:`CheckpointError`, naming ``PATH``."""
     path = Path(path)
@@ -57,21 +58,20 @@ def named_checkpoint(path: str | Path) -> Path:
         if problem is not None:
             raise CheckpointCorrupt(f"{key}: not a complete checkpoint ({problem})")
         return path
-    found = latest_checkpoint(path)
+    found = latest_checkpoint(path, log)
     if found is None:
         raise CheckpointError(f"{key}: holds no complete checkpoint (no step_N folder with its {MARKER})")
     return found
 
 
-def resume_named(path: str | Path, model, optimizer, streams, *, config, data: dict | None = None
-                 ) -> tuple[Path, dict]:
+def resume_named(path: str | Path, model, optimizer, streams, *, config, data: dict | None = None,
+                 log: Callable[[str], None] = to_stderr) -> tuple[Path, dict]:
     """Load the checkpoint ``checkpoint.resume=PATH`` names (:func:`named_checkpoint`; every rank)
     and return ``(folder, extra)``. No fallback: a damaged file or another model or data raises,
     naming it."""
-    folder = named_checkpoint(path)
+    folder = named_checkpoint(path, log)
     return folder, load_checkpoint(folder, model, optimizer, streams, config=config, data=data,
-                                   verify=config.checkpoint.verify)
-
+                                   verify=config.checkpoint.verify, log=log)
 
 
 def saved_global_batch(root: str | Path, *, folder: Path | None = None) -> int | None:

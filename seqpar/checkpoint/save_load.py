@@ -21,7 +21,7 @@ every file, writes the marker last, fsyncs it and the folder, renames the folder
 existing ``step_N`` is renamed to ``step_N.old`` first and deleted only once the new one is in) and
 replaces ``latest`` atomically. A checkpoint counts only if every file the marker lists has the
 listed size and checksum (:mod:`seqpar.checkpoint.integrity`); :func:`latest_checkpoint` takes the
-newest save (the marker's sequence number; ``latest`` is advisory), warning about each incomplete
+newest save (the marker's sequence number; ``latest`` is advisory), logging a line for each incomplete
 one it skips; :func:`~seqpar.checkpoint.resume.resume_latest` also falls back past one whose files
 fail their checksums. keep-N keeps the checkpoint just written, the next newest saves and the one
 the caller pins (the trainer's last good checkpoint). A file that cannot be written (a full disk)
@@ -52,6 +52,8 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -64,7 +66,7 @@ from .compat import check_compatible
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointWriteError,
                      IncompleteTrainingState, write_error)
 from .files import (PREFIX, _commit, _fsync, _prune, _seal, checkpoint_problem, complete_checkpoints,
-                    latest_checkpoint, open_checkpoint_dir, recorded_checksums)
+                    latest_checkpoint, open_checkpoint_dir, recorded_checksums, to_stderr)
 from .integrity import agree, checksums, file_checksum, gather_dicts, verify_files
 from .pieces import (PartsLoadPlanner, PartsSavePlanner, StagingBuffers, coverage_problem, optimizer_moments,
                      training_parts)
@@ -92,6 +94,25 @@ def _open(path: Path, verify: bool) -> dict:
 
 
 # ---- saving ------------------------------------------------------------------------------------
+
+_ONE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"  # DCP's notice, below
+
+
+@contextmanager
+def _one_process() -> Iterator[None]:
+    """Without a process group DCP warns on each save and load that it assumes one process: that is
+    the intent here (one-process runs, ``seqpar generate``), so that one notice is dropped."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS)
+        yield
+
+
+def _one_process_in_background() -> None:
+    """The same notice from ``dcp.async_save``'s writer thread, which warns after the call has
+    returned, where no ``catch_warnings`` around the call reaches: ignored for good, that message
+    from DCP's modules only (a one-process background save; with a process group it never comes)."""
+    warnings.filterwarnings("ignore", message=_ONE_PROCESS, module=r"torch\.distributed\.checkpoint\.")
+
 
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
@@ -167,13 +188,18 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
             planner = PartsSavePlanner(parts, copy=True, staging=staging)
             _STAGING.busy = _STAGING.busy or staging is not None
             try:
-                future = dcp.async_save(state, storage_writer=writer, planner=planner, process_group=_async_group())
+                if not dist.is_initialized():
+                    _one_process_in_background()
+                with _one_process():
+                    future = dcp.async_save(state, storage_writer=writer, planner=planner,
+                                            process_group=_async_group())
             except BaseException:
                 _STAGING.busy = _STAGING.busy and staging is None
                 raise
         else:
-            dcp.save(state, storage_writer=writer, planner=PartsSavePlanner(parts),
-                     no_dist=not dist.is_initialized())
+            with _one_process():
+                dcp.save(state, storage_writer=writer, planner=PartsSavePlanner(parts),
+                         no_dist=not dist.is_initialized())
             future = None
     except CheckpointException as e:
         _discard(tmp)
@@ -198,11 +224,13 @@ def _capture(streams) -> dict:
     return snap
 
 
-def _restore(snap: dict, streams) -> None:
+def _restore(snap: dict, streams) -> str | None:
+    """Put back :func:`_capture`'s snapshot; the line saying the streams were reseeded (saved on
+    another device type), else ``None``."""
     streams = _as_list(streams)
-    restore_rng(snap, streams[0] if streams else None)
-    for s, state in zip(streams[1:], snap.get("more_streams", [])):
-        s.set_state(state)
+    notes = [restore_rng(snap, streams[0] if streams else None)]
+    notes += [s.set_state(state) for s, state in zip(streams[1:], snap.get("more_streams", []))]
+    return next((n for n in notes if n), None)
 
 
 _ASYNC_GROUP: list = []
@@ -295,7 +323,8 @@ def _dcp_load(path: Path, state: dict, **kwargs) -> None:
     """``dcp.load`` whose failures become one-line errors: a tensor the model needs in another
     shape or missing (:class:`CheckpointMismatch`), unreadable data (:class:`CheckpointCorrupt`)."""
     try:
-        dcp.load(state, **kwargs)
+        with _one_process():
+            dcp.load(state, **kwargs)
     except CheckpointException as e:
         exc = next(iter(e.failures.values()))[0] if e.failures else e
         if isinstance(exc, CheckpointError):
@@ -306,29 +335,31 @@ def _dcp_load(path: Path, state: dict, **kwargs) -> None:
                                 f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from None
 
 
-def _load_rng(path: Path, extra: dict, modules: list, streams) -> None:
+def _load_rng(path: Path, extra: dict, modules: list, streams) -> str | None:
     """Restore this rank's RNG states when the layout matches the saved one; an unreadable RNG
-    file on any rank raises :class:`CheckpointCorrupt` on every rank, naming it."""
+    file on any rank raises :class:`CheckpointCorrupt` on every rank, naming it. Returns the line
+    saying the dropout streams were reseeded (saved on another device type), else ``None``."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rng_file = path / f"rng_rank{_rank()}.pt"
     cp = getattr(getattr(modules[0], "cp", None), "size", 1)  # context parallelism: ranks' roles differ too
     layout = (modules[0].tp_size, len(modules), getattr(modules[0], "num_stages", 1), cp)
     saved = (extra.get("tp"), extra.get("virtual_stages", 1), extra.get("pp", 1) * extra.get("virtual_stages", 1),
              extra.get("cp", 1))
-    problem = None
+    problem = note = None
     if extra.get("world_size") == world and saved == layout and rng_file.is_file():
         try:
-            _restore(torch.load(rng_file, weights_only=True), streams)
+            note = _restore(torch.load(rng_file, weights_only=True), streams)
         except Exception as e:  # any parse failure of a damaged file; nothing in it runs (weights_only)
             problem = f"checkpoint {rng_file} is unreadable ({type(e).__name__}); it holds RNG states only"
     problem = agree(problem)
     if problem is not None:
         raise CheckpointCorrupt(problem)
+    return note
 
 
 @torch.no_grad()
 def load_checkpoint(path: str | Path, model, optimizer, streams, *, config=None, data: dict | None = None,
-                    verify: bool = True) -> dict:
+                    verify: bool = True, log: Callable[[str], None] = to_stderr) -> dict:
     """Load a complete checkpoint folder into ``model`` (the GPT, or a list of this rank's pipeline
     stages) and ``optimizer`` at the current layout (any tp, dp, pp and data_parallel), each rank
     reading only the pieces of the dense tensors it holds. Restores RNG states (``streams``: one
@@ -337,7 +368,9 @@ def load_checkpoint(path: str | Path, model, optimizer, streams, *, config=None,
     ``verify``: check every file against its recorded checksum first. ``config`` (the new run's
     ``RunConfig``) and ``data`` (its :func:`~seqpar.checkpoint.compat.data_identity`): refuse a
     checkpoint of another model or data (:func:`~seqpar.checkpoint.compat.check_compatible`).
-    Raises :class:`CheckpointCorrupt` for an incomplete, damaged or unreadable checkpoint,
+    ``log`` gets the line saying the dropout streams were reseeded when they were saved on another
+    device type (a GPU checkpoint resumed on a CPU). Raises :class:`CheckpointCorrupt` for an
+    incomplete, damaged or unreadable checkpoint,
     :class:`CheckpointMismatch` for another model (saved tensors this model does not use
     included), both one-line ``ValueError`` s naming the folder or file."""
     path = Path(path)
@@ -354,7 +387,9 @@ def load_checkpoint(path: str | Path, model, optimizer, streams, *, config=None,
     _dcp_load(path, state, storage_reader=reader, planner=PartsLoadPlanner(parts))
     for st in optimizer.state.values():
         st["step"].fill_(float(state["optim_step"]))
-    _load_rng(path, extra, modules, streams)
+    note = _load_rng(path, extra, modules, streams)
+    if note is not None:
+        log(f"checkpoint {path}: {note}")
     return extra
 
 
@@ -366,9 +401,7 @@ def load_model_only(path: str | Path, model, *, verify: bool = True) -> dict:
     reader, saved = _reader(path)
     dense = _dense_like(model)
     _refuse_unused(path, {k for k in saved if k.startswith("model.")}, {f"model.{k}" for k in dense})
-    with warnings.catch_warnings():  # one process without a process group is the intent here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        _dcp_load(path, {"model": dense}, storage_reader=reader, no_dist=not dist.is_initialized())
+    _dcp_load(path, {"model": dense}, storage_reader=reader, no_dist=not dist.is_initialized())
     model.load_dense_state_dict(dense)
     return extra
 

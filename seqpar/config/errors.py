@@ -18,6 +18,7 @@ from pathlib import Path
 
 EXIT_USER_ERROR = 2    # bad input: config, data, checkpoint, command-line arguments
 EXIT_INTERRUPTED = 130  # aborted by a second Ctrl-C (128 + SIGINT)
+USER_ERROR_KEY = "seqpar_user_error"  # in torchrun's error file: the message, without program and rank
 
 _SEQPAR = str(Path(__file__).resolve().parents[1]) + os.sep
 _STDLIB = tuple(str(Path(sysconfig.get_paths()[k]).resolve()) + os.sep for k in ("stdlib", "platstdlib"))
@@ -68,13 +69,15 @@ def rank_prefix() -> str:
 
 def report_user_error(prog: str, exc: BaseException, *, quiet: bool = False) -> int:
     """Print ``prog: [rank R: ]message`` to stderr (unless ``quiet``) and hand the line to torchrun's
-    error file when there is one (so ``seqpar train --nproc-per-node`` can print it once, and plain
-    torchrun shows it in its summary). Returns :data:`EXIT_USER_ERROR`.
+    error file when there is one (plain torchrun shows ``"message"`` in its summary; ``seqpar train
+    --nproc-per-node`` prints :data:`USER_ERROR_KEY`'s text once, for one rank or many). Returns
+    :data:`EXIT_USER_ERROR`.
 
     Under torchrun the first rank to exit makes the agent SIGTERM the others; a rank that has
     reported its error ignores that signal from then on, so it finishes shutting down and exits 2,
     not -15 (torchrun still SIGKILLs a rank that does not exit within its grace period)."""
-    line = f"{prog}: {rank_prefix()}{one_line(exc)}"
+    text = one_line(exc)
+    line = f"{prog}: {rank_prefix()}{text}"
     if not quiet:
         print(line, file=sys.stderr, flush=True)
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
@@ -83,7 +86,8 @@ def report_user_error(prog: str, exc: BaseException, *, quiet: bool = False) -> 
         import signal
         import time
         try:
-            Path(error_file).write_text(json.dumps({"message": line, "timestamp": int(time.time())}))
+            Path(error_file).write_text(json.dumps({"message": line, USER_ERROR_KEY: text,
+                                                   "timestamp": int(time.time())}))
         except OSError:
             pass
         # ignored, not handled: a Python handler is reset during interpreter shutdown, SIG_IGN is kept

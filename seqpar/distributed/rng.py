@@ -16,15 +16,15 @@ recomputation that replays it with the saved state draws the same mask, eager or
 A CPU generator's state (5,056 bytes of Mersenne twister) means nothing to a CUDA generator
 (Philox seed and offset) and the other way round, so :meth:`RNGStreams.get_state` records the
 device type. Restoring states of another device type (a run checkpointed on GPUs, resumed on a
-CPU) reseeds each stream from a hash of its saved state, with one warning: deterministic (the
-same checkpoint resumes to the same masks), replicated streams stay identical across TP ranks
-and per-rank streams stay distinct, but the masks are not the ones the uninterrupted run would
-have drawn, which no generator of the other device type could reproduce.
+CPU) reseeds each stream from a hash of its saved state and returns one line saying so (the
+checkpoint loader prints it in the run's log): deterministic (the same checkpoint resumes to the
+same masks), replicated streams stay identical across TP ranks and per-rank streams stay
+distinct, but the masks are not the ones the uninterrupted run would have drawn, which no
+generator of the other device type could reproduce.
 """
 from __future__ import annotations
 
 import hashlib
-import warnings
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -192,9 +192,10 @@ class RNGStreams:
         """Each stream's generator state, and under ``"device_type"`` the device type they belong to."""
         return {**{k: _copy(v) for k, v in self.states.items()}, DEVICE_KEY: self.device.type}
 
-    def set_state(self, states: dict) -> None:
+    def set_state(self, states: dict) -> str | None:
         """Put back :meth:`get_state`'s states. States of another device type reseed the streams
-        deterministically from them (see the module docstring) and warn."""
+        deterministically from them (see the module docstring); the returned line says so (for the
+        run's log), else ``None``."""
         missing = set(self.states) - set(states)
         if missing:
             raise ValueError(f"RNG state is missing streams {sorted(missing)}")
@@ -202,12 +203,11 @@ class RNGStreams:
         names = [k for k in states if k != DEVICE_KEY]
         if saved == self.device.type:
             self._states = {k: _copy(states[k]) for k in names}
-            return
-        warnings.warn(f"dropout RNG streams saved on {saved} are restored on {self.device.type}: a {saved} "
-                      f"generator state does not fit a {self.device.type} generator, so each stream is reseeded "
-                      f"from its saved state (deterministic, but not the masks the run would have drawn on "
-                      f"{saved})", RuntimeWarning, stacklevel=2)
+            return None
         self._states = {k: _seeded_state(self.device, _seed_from_state(states[k])) for k in names}
+        return (f"dropout RNG streams saved on {saved} are restored on {self.device.type}: a {saved} generator "
+                f"state does not fit a {self.device.type} generator, so each stream is reseeded from its saved "
+                f"state (deterministic, but not the masks the run would have drawn on {saved})")
 
 
 def capture_rng(streams: RNGStreams | None = None) -> dict:
@@ -220,13 +220,15 @@ def capture_rng(streams: RNGStreams | None = None) -> dict:
     return snap
 
 
-def restore_rng(snap: dict, streams: RNGStreams | None = None) -> None:
-    """Put back a snapshot taken by :func:`capture_rng`."""
+def restore_rng(snap: dict, streams: RNGStreams | None = None) -> str | None:
+    """Put back a snapshot taken by :func:`capture_rng`; returns :meth:`RNGStreams.set_state`'s line
+    when the streams were saved on another device type."""
     torch.set_rng_state(snap["cpu"])
     if "cuda" in snap:
         torch.cuda.set_rng_state(snap["cuda"])
     if streams is not None and "streams" in snap:
-        streams.set_state(snap["streams"])
+        return streams.set_state(snap["streams"])
+    return None
 
 
 @contextmanager

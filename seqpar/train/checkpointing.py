@@ -31,7 +31,7 @@ def resume_global_batch(cfg: RunConfig) -> int | None:
     if ck.resume == "auto":
         return saved_global_batch(ck.dir)
     try:
-        folder = named_checkpoint(ck.resume)
+        folder = named_checkpoint(ck.resume, log=lambda line: None)  # the resume logs what it skips
     except CheckpointError:
         return None  # the resume itself refuses the path, naming it
     return saved_global_batch(folder.parent, folder=folder)
@@ -95,9 +95,11 @@ class CheckpointManager:
         if ck.resume == "never":
             return None
         if ck.resume == "auto":
-            found = resume_latest(ck.dir, self.parts, self.optimizer, self.streams, config=cfg, data=self.data)
+            found = resume_latest(ck.dir, self.parts, self.optimizer, self.streams, config=cfg, data=self.data,
+                                  log=self.print)
         else:
-            found = resume_named(ck.resume, self.parts, self.optimizer, self.streams, config=cfg, data=self.data)
+            found = resume_named(ck.resume, self.parts, self.optimizer, self.streams, config=cfg, data=self.data,
+                                 log=self.print)
         if found is None:
             return None
         latest, extra = found

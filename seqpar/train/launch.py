@@ -5,7 +5,9 @@ With ``--nproc-per-node N`` outside torchrun, this command runs torchrun's agent
 then this process's children: SIGTERM or Ctrl-C here is forwarded to them as SIGTERM (they save
 at the next step boundary and exit 0, and so does this command); a second Ctrl-C kills them at
 once (exit 130). A user-input error is printed once for all ranks that saw it (exit 2), without
-torchrun's failure summary; a rank's internal failure keeps its traceback (exit 1).
+torchrun's failure summary, with one rank as with many; a rank's internal failure keeps its
+traceback (exit 1); a restart under ``--max-restarts`` names the rank that failed
+(:mod:`seqpar.train.relay`).
 """
 from __future__ import annotations
 
@@ -156,38 +158,20 @@ def _launch(args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
+    from .relay import RestartNotices, report_failures
     os.environ[LAUNCHER_ENV] = "1"
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, without its banner
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures: _report below
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # seqpar.train.relay says it
     # SIGTERM and SIGINT are _Forward's, not torchrun's (which would end in its SignalException)
     targs = parse_args(["--standalone", "--signals-to-handle=SIGHUP,SIGQUIT", f"--nproc-per-node={args.nproc_per_node}",
                         f"--max-restarts={args.max_restarts}", "-m", "seqpar.train"]
                        + ([args.config] if args.config else []) + args.overrides)
-    forward = _Forward()
+    forward, restarts = _Forward(), RestartNotices(args.nproc_per_node).install()
     try:
         run(targs)
     except ChildFailedError as e:
-        return _report(e.failures)
+        return report_failures(e.failures, args.nproc_per_node)
     finally:
+        restarts.remove()
         forward.restore()
     return 0
-
-
-def _report(failures: dict) -> int:
-    """One line per distinct user error (naming the ranks that saw it; exit 2), else one line per
-    failed rank (its traceback, if any, is above; exit 1)."""
-    user: dict[str, list[int]] = {}
-    for rank, f in sorted(failures.items()):
-        if f.exitcode == 2 and isinstance(f.message, str) and f.message.startswith("seqpar train: "):
-            text = f.message.removeprefix("seqpar train: ")  # one rank alone writes no "rank R: "
-            text = text.split(": ", 1)[-1] if text.startswith("rank ") else text
-            user.setdefault(text, []).append(rank)
-    for text, ranks in user.items():
-        who = "rank" if len(ranks) == 1 else "ranks"
-        print(f"seqpar train: {who} {', '.join(map(str, ranks))}: {text}", file=sys.stderr, flush=True)
-    if user:
-        return 2
-    for rank, f in sorted(failures.items()):
-        how = f"signal {f.signal_name()}" if f.exitcode < 0 else f"exit code {f.exitcode}"
-        print(f"seqpar train: rank {rank} failed ({how})", file=sys.stderr, flush=True)
-    return 1
