@@ -42,6 +42,7 @@ from ..parallel.engine import StepEngine
 from ..parallel.engines import build_engine
 from ..parallel.pipeline_engine import PipelineEngine
 from .dryrun_comm import count_c10d, group_names, record_step
+from .dryrun_sdpa import TargetAttention
 from .optim import build_optimizer
 from .precision import Precision, resolve_precision
 from .resolve import ResolvedRun
@@ -224,7 +225,7 @@ def _run_rank(run: ResolvedRun, rank: int, device: str) -> RankRun:
         mesh = init_parallel(pc.tp, run.dp, pp=pc.pp, cp=pc.cp)
         if mesh.cp_size > 1:
             mesh.dp_cp_mesh  # DeviceMesh's index tensors are host bookkeeping: made now, real, and cached
-        with FakeRun() as mode:
+        with FakeRun() as mode, TargetAttention(device):
             with count_built_layers() as built:
                 engine, optimizer, precision = build(run, mesh, device)
             layers_built = len(built)
