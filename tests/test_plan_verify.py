@@ -3,10 +3,12 @@ dry run runs the kernel the target device runs (a GPU's fused attention keeps no
 and the planner's pick for each shipped Llama and GPT config dry-runs within the verify tolerance.
 Before the fix, ``attention: sdpa`` ran the math kernel on the fake tensors: llama3-8b's pick
 (t=1, dp=8 fsdp, rc=none) measured 8.8x the planner's activations and exited 2."""
+import contextlib
 import re
 
 import pytest
 
+import seqpar.train.dryrun as dryrun
 from seqpar import cli
 from seqpar.config import load_run_config
 from seqpar.memory.whole_model import attention_kernel, cuda_sdpa_kernel
@@ -72,3 +74,15 @@ def test_the_dry_run_keeps_what_the_target_devices_kernel_keeps(device, override
     (_, _, check), = dry_run(cfg, 1, [0], device=device, tolerance=0.01)
     measured, planned = next((m, p) for part, m, p in check.rows if part == "activations")
     assert measured / planned == pytest.approx(1, abs=0.01) and not check.problems
+
+
+def test_verify_fails_when_the_build_keeps_more_than_the_plan(monkeypatch):
+    # the dry run before the fix: sdpa on fake tensors ran the math kernel and kept fp32 [b, a, s, s] scores
+    monkeypatch.setattr(dryrun, "TargetAttention", lambda device: contextlib.nullcontext())
+    cfg = load_run_config(None, [*SMALL, "model.seq_len=4096", "model.attention=sdpa", "train.precision=bf16"])
+    (_, _, plain), = dry_run(cfg, 1, [0])
+    assert not plain.problems  # a plain dry run checks no ratio
+    (_, _, check), = dry_run(cfg, 1, [0], tolerance=VERIFY_TOLERANCE)
+    assert len(check.problems) == 1
+    assert re.fullmatch(r"rank 0 of 1 measures a peak of [\d.]+ GiB, [\d.]+x the planner's [\d.]+ GiB \(more than 3% "
+                        r"off; furthest: activations [\d.]+ GiB measured, [\d.]+ MiB planned\)", check.problems[0])

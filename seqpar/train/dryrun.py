@@ -8,7 +8,8 @@ dtypes and devices but no storage) the step engine of :func:`~seqpar.parallel.en
 (this rank's layers and shards only, FSDP2 or its pipeline stages), the precision recipe and AdamW.
 It then runs one optimizer step as :meth:`Trainer.train_step <seqpar.train.trainer.Trainer.train_step>`
 does, on fake token batches: every micro-batch's forward and backward (a pipeline rank: one
-schedule's worth), the clip, the step's world all-reduce, the optimizer step. What is measured is
+schedule's worth), the clip, the step's world all-reduce, the optimizer step, with ``attention: sdpa``
+run as the target device runs it (:mod:`seqpar.train.dryrun_sdpa`). What is measured is
 read from those tensors: training-state bytes (:func:`~seqpar.parallel.data_parallel.state_bytes`),
 the peak of the saved activations (the engines' own ledgers), every collective by kind, group and
 bytes (:mod:`seqpar.train.dryrun_comm`). No data is read and nothing is written.

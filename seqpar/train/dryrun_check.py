@@ -115,6 +115,10 @@ def required_collectives(run: ResolvedRun, r: RankRun) -> dict[tuple[str, str], 
     return need
 
 
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.2f} MiB"
+
+
 def _problems(run: ResolvedRun, r: RankRun, check: Check) -> list[str]:
     who = f"rank {r.rank} of {r.world}"
     out = []
@@ -139,7 +143,7 @@ def _problems(run: ResolvedRun, r: RankRun, check: Check) -> list[str]:
         m, part, p = max(((m, k, p) for k, m, p in check.rows if m is not None), key=lambda x: abs(x[0] - x[2]))
         out.append(f"{who} measures a peak of {check.peak / GIB:.2f} GiB, {ratio:.3f}x the planner's "
                    f"{check.planned_peak / GIB:.2f} GiB (more than {check.tolerance:.0%} off; furthest: {part} "
-                   f"{m / GIB:.2f} GiB measured, {p / GIB:.2f} GiB planned)")
+                   f"{_size(m)} measured, {_size(p)} planned)")
     return out
 
 
