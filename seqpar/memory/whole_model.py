@@ -26,40 +26,86 @@ exchanges K/V again, so nothing of the other ranks' K/V is kept (``docs/context-
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Sequence
 
 from ..model.config import GPTConfig
 from ..recompute import full_recompute_plan
 from .formulas import _SCORE_TERMS, _sbh_terms, outside_layer_terms
 
 
-def attention_kernel(cfg: GPTConfig, device: str = "cuda") -> str:
-    """What the attention core runs as, for the memory it keeps (``docs/memory.md``): ``"math"``
-    (seqpar's own, Table 2's ``[b, a, s, s]`` terms); ``"fused"`` (``attention: sdpa`` on CUDA's
-    flash / memory-efficient / cuDNN kernels, and on CPU's flash kernel without attention dropout:
-    output, logsumexp and RNG state, O(s) per head); ``"sdpa-math"`` (``sdpa`` on CPU with attention
-    dropout: PyTorch's composite math kernel, which computes in fp32)."""
+# PyTorch's order of preference among the CUDA kernels of ``scaled_dot_product_attention`` (its default
+# ``torch._C._get_sdp_priority_order()``); "efficient" is the memory-efficient kernel
+CUDA_SDPA_ORDER: tuple[str, ...] = ("flash", "efficient", "math", "cudnn")
+FLASH_MAX_HEAD_DIM = 256  # flash attention on sm80 / sm90 (A100, H100, H200), forward and backward
+
+
+def cuda_sdpa_kernel(*, dtype_bytes: int, heads: int, kv_heads: int, head_dim: int,
+                     order: Sequence[str] = CUDA_SDPA_ORDER) -> str:
+    """The kernel ``scaled_dot_product_attention`` runs on an sm80 / sm90 GPU (the planner's A100,
+    H100, H200) for one rank's ``heads`` query and ``kv_heads`` key/value heads of ``head_dim``,
+    ``dtype_bytes``-byte inputs, causal, no mask, grad on: the first of ``order`` (PyTorch's
+    preference, less what an ``sdpa_kernel`` context disables) whose checks pass. ``flash``: 2-byte
+    inputs, head dim <= 256, grouped heads too; ``efficient``: 2- or 4-byte inputs, head dim a
+    multiple of 16 bytes' worth of elements, equal head counts; ``cudnn``: 2-byte inputs, head dim
+    <= 128 and a multiple of 8, equal head counts; ``math``: anything (``"none"`` when ``order``
+    holds nothing that takes them)."""
+    half, grouped = dtype_bytes == 2, heads != kv_heads
+    takes = {"flash": half and head_dim <= FLASH_MAX_HEAD_DIM,
+             "efficient": dtype_bytes in (2, 4) and head_dim % (16 // dtype_bytes) == 0 and not grouped,
+             "cudnn": half and head_dim <= 128 and head_dim % 8 == 0 and not grouped, "math": True}
+    return next((k for k in order if takes.get(k, False)), "none")
+
+
+def attention_kernel(cfg: GPTConfig, device: str = "cuda", *, t: int = 1, act: int = 2) -> str:
+    """What the attention core runs as, for the memory it keeps (``docs/memory.md``), at TP size
+    ``t`` with ``act``-byte activations: ``"math"`` (seqpar's own, Table 2's ``[b, a, s, s]``
+    terms); ``"fused"`` (``attention: sdpa`` where it runs a fused kernel: CUDA's flash /
+    memory-efficient / cuDNN (:func:`cuda_sdpa_kernel`), CPU's flash without attention dropout:
+    output, logsumexp and RNG state, O(s) per head); ``"sdpa-math"`` (``sdpa`` falling back to
+    PyTorch's composite math kernel, which computes in fp32: on CPU with attention dropout, on
+    CUDA for fp32 with grouped-query heads)."""
     if cfg.attention == "math":
         return "math"
-    return "sdpa-math" if device == "cpu" and cfg.attention_dropout > 0 else "fused"
+    if device == "cpu":
+        return "sdpa-math" if cfg.attention_dropout > 0 else "fused"
+    return "sdpa-math" if cuda_sdpa_kernel(**_sdpa_shape(cfg, t, act)) == "math" else "fused"
+
+
+def _sdpa_shape(cfg: GPTConfig, t: int, act: int) -> dict[str, int]:
+    """:func:`cuda_sdpa_kernel`'s arguments for one of ``t`` TP ranks at ``act``-byte activations."""
+    return dict(dtype_bytes=act, heads=cfg.heads // t, kv_heads=cfg.held_kv_heads(t) // t, head_dim=cfg.head_dim)
 
 
 def _core_terms(cfg: GPTConfig, kernel: str, *, sbh: Fraction, scores: Fraction, t: int, u: Fraction,
                 device: str) -> dict[str, Fraction]:
     """What the attention core keeps when it is not recomputed, beyond Table 2's Q, K, V
     (``sdpa-math`` replaces those); ``scores`` = a s^2 b elements, ``u`` = activation bytes / 2."""
+    dropout = cfg.attention_dropout > 0
     if kernel == "fused":  # fp32 logsumexp [b, a, s]; with dropout the philox seed and offset (2 x int64)
         out = {"attention_logsumexp": 4 * cfg.heads * (sbh / cfg.hidden) / t}
-        if cfg.attention_dropout > 0 and device != "cpu":
+        if dropout and device != "cpu":
             out["attention_rng_state"] = Fraction(16)
         return out
-    if kernel == "sdpa-math":  # fp32 copies of Q and of K, V at all a heads; three fp32 score tensors
-        return {"qk": 8 * sbh / t, "v": 4 * sbh / t, "softmax_out": 4 * scores / t,
-                "softmax_dropout_mask": 4 * scores / t, "softmax_dropout_out": 4 * scores / t}
+    if kernel == "sdpa-math":  # fp32 Q and K, V at all a heads; fp32 softmax, with dropout its mask and output
+        out = {"qk": 8 * sbh / t, "v": 4 * sbh / t, "softmax_out": 4 * scores / t}
+        if dropout:  # the CPU's dropout keeps a mask of the scores' dtype, CUDA's fused one a 1-byte mask
+            out["softmax_dropout_mask"] = (4 if device == "cpu" else 1) * scores / t
+            out["softmax_dropout_out"] = 4 * scores / t
+        return out
     out = {}
     for name, k in _SCORE_TERMS.items():
-        if name == "softmax_out" or cfg.attention_dropout > 0:
+        if name == "softmax_out" or dropout:
             out[name] = k * scores * (1 if name.endswith("mask") else u) / t
     return out
+
+
+def _output_copy(cfg: GPTConfig, *, sbh: Fraction, b: int, t: int, act: int, device: str) -> dict[str, Fraction]:
+    """CUDA's memory-efficient kernel writes its output ``[b, s, a, d]`` whatever the query's layout
+    (flash and cuDNN follow the query's ``[s, b, a, d]``); at ``b > 1`` the projection's matmul takes
+    a ``[s b, h/t]`` copy of it, and the kernel keeps the output too."""
+    if device == "cpu" or b == 1 or cuda_sdpa_kernel(**_sdpa_shape(cfg, t, act)) != "efficient":
+        return {}
+    return {"attention_output": sbh * act / t}
 
 
 def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: bool,
@@ -83,7 +129,10 @@ def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: 
     if cp > 1:  # fp32 log-sum-exp [b, a/t, s/cp]; no s x s term in any mode
         terms["attention_logsumexp"] = 4 * cfg.heads * (sbh / cfg.hidden) / t
     elif not selective:
-        terms.update(_core_terms(cfg, attention_kernel(cfg, device), sbh=sbh, scores=scores, t=t, u=u, device=device))
+        kernel = attention_kernel(cfg, device, t=t, act=act)
+        terms.update(_core_terms(cfg, kernel, sbh=sbh, scores=scores, t=t, u=u, device=device))
+        if kernel == "fused":
+            terms.update(_output_copy(cfg, sbh=sbh, b=b, t=t, act=act, device=device))
     return terms
 
 

@@ -64,13 +64,17 @@ def state_parts(model: GPTConfig, layout: Layout, stage: int, precision: str) ->
 _PER_LAYER_CACHE: dict[tuple, dict[RecomputeMode, int]] = {}
 
 
-def per_layer_activations(model: GPTConfig, layout: Layout, precision: str = "bf16") -> dict[RecomputeMode, int]:
-    """Bytes one layer keeps for backward for one micro-batch, per recompute mode (full: the unit input)."""
-    key = (dims.model_key(model), layout.tp, layout.sequence_parallel, layout.micro_batch, precision, layout.cp)
+def per_layer_activations(model: GPTConfig, layout: Layout, precision: str = "bf16",
+                          device: str = "cuda") -> dict[RecomputeMode, int]:
+    """Bytes one layer keeps for backward for one micro-batch, per recompute mode (full: the unit
+    input), with the attention kernel ``device`` runs (the planner's GPUs: "cuda")."""
+    key = (dims.model_key(model), layout.tp, layout.sequence_parallel, layout.micro_batch, precision, layout.cp,
+           device)
     if key not in _PER_LAYER_CACHE:
         cfg = dims.with_sequence_parallel(model, layout.sequence_parallel)
         _PER_LAYER_CACHE[key] = {mode: round(layer_bytes(cfg, mode, s=model.seq_len // layout.cp, b=layout.micro_batch,
-                                                         t=layout.tp, act=ACTIVATION_BYTES[precision], cp=layout.cp))
+                                                         t=layout.tp, act=ACTIVATION_BYTES[precision], cp=layout.cp,
+                                                         device=device))
                                  for mode in RECOMPUTE_MODES}
     return _PER_LAYER_CACHE[key]
 
@@ -122,10 +126,10 @@ def context_transient(model: GPTConfig, layout: Layout) -> float:
 
 
 def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, precision: str,
-                  workspace: float = WORKSPACE_BYTES) -> dict[str, float]:
+                  device: str = "cuda", workspace: float = WORKSPACE_BYTES) -> dict[str, float]:
     chunk = model.layers // (layout.pp * layout.virtual_stages)
     counts = layout.recompute.per_stage(chunk, layout.virtual_stages)
-    per = per_layer_activations(model, layout, precision)
+    per = per_layer_activations(model, layout, precision, device)
     rc = layout.recompute
     full_units = counts["full"]
     if rc.kind == "full" and rc.method == "uniform":
@@ -154,15 +158,16 @@ def allowance(parts: dict[str, float], workspace: float = WORKSPACE_BYTES) -> fl
 
 
 def stage_memory(model: GPTConfig, layout: Layout, capacity: float, global_batch: int, stage: int,
-                 precision: str = "bf16", workspace: float = WORKSPACE_BYTES) -> Memory:
-    """Bytes per GPU by part on pipeline stage ``stage`` (0 = first) of ``layout``; ``workspace``:
+                 precision: str = "bf16", device: str = "cuda", workspace: float = WORKSPACE_BYTES) -> Memory:
+    """Bytes per GPU by part on pipeline stage ``stage`` (0 = first) of ``layout``; ``device``: whose
+    attention kernels the activations count ("cpu" for a dry run resolved for the CPU); ``workspace``:
     the allowance for the CUDA context, cuBLAS workspaces and NCCL buffers (0 for a CPU rank)."""
     if precision not in ACTIVATION_BYTES:
         raise ValueError(f"precision must be one of {sorted(ACTIVATION_BYTES)}, got {precision!r}")
     if not 0 <= stage < layout.pp:
         raise ValueError(f"stage must lie in [0, {layout.pp}), got {stage}")
-    return Memory(_stage_memory(model, layout, micro_batches(layout, global_batch), stage, precision, workspace),
-                  capacity, stage)
+    parts = _stage_memory(model, layout, micro_batches(layout, global_batch), stage, precision, device, workspace)
+    return Memory(parts, capacity, stage)
 
 
 def memory_per_gpu(model: GPTConfig, layout: Layout, capacity: float, global_batch: int,

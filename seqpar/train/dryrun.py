@@ -8,7 +8,8 @@ dtypes and devices but no storage) the step engine of :func:`~seqpar.parallel.en
 (this rank's layers and shards only, FSDP2 or its pipeline stages), the precision recipe and AdamW.
 It then runs one optimizer step as :meth:`Trainer.train_step <seqpar.train.trainer.Trainer.train_step>`
 does, on fake token batches: every micro-batch's forward and backward (a pipeline rank: one
-schedule's worth), the clip, the step's world all-reduce, the optimizer step. What is measured is
+schedule's worth), the clip, the step's world all-reduce, the optimizer step, with ``attention: sdpa``
+run as the target device runs it (:mod:`seqpar.train.dryrun_sdpa`). What is measured is
 read from those tensors: training-state bytes (:func:`~seqpar.parallel.data_parallel.state_bytes`),
 the peak of the saved activations (the engines' own ledgers), every collective by kind, group and
 bytes (:mod:`seqpar.train.dryrun_comm`). No data is read and nothing is written.
@@ -39,6 +40,7 @@ from ..model.gpt import Block
 from ..parallel.data_parallel import state_bytes
 from ..parallel.engine import PipelineEngine, StepEngine, build_engine
 from .dryrun_comm import count_c10d, group_names, record_step
+from .dryrun_sdpa import TargetAttention
 from .optim import build_optimizer
 from ..parallel.precision import Precision, resolve_precision
 from .resolve import ResolvedRun
@@ -221,7 +223,7 @@ def _run_rank(run: ResolvedRun, rank: int, device: str) -> RankRun:
         mesh = init_parallel(pc.tp, run.dp, pp=pc.pp, cp=pc.cp)
         if mesh.cp_size > 1:
             mesh.dp_cp_mesh  # DeviceMesh's index tensors are host bookkeeping: made now, real, and cached
-        with FakeRun() as mode:
+        with FakeRun() as mode, TargetAttention(device):
             with count_built_layers() as built:
                 engine, optimizer, precision = build(run, mesh, device)
             layers_built = len(built)

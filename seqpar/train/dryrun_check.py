@@ -9,7 +9,8 @@ NCCL buffers, workspaces, fragmentation) stays the planner's allowance.
 
 Failures, each one line naming the rank and the values: a rank that built more transformer layers
 than its stages hold (the whole model on a pipeline rank); a collective the layout needs that the
-step never issued; a predicted peak above the memory of ``--gpu``.
+step never issued; a predicted peak above the memory of ``--gpu``; with a ``tolerance`` (``seqpar
+plan --verify``), a peak further than that from the planner's, naming the term furthest off.
 """
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ from .dryrun import RankRun
 from .resolve import ResolvedRun
 
 MEASURED = ("parameters", "gradients", "optimizer", "activations", "outside_layers")  # planner parts measured here
+# ``seqpar plan --verify``: how far the measured peak may lie from the planner's (the activation
+# ledger agrees with the formulas within 3%, docs/planning.md); a plain dry run checks no ratio
+VERIFY_TOLERANCE = 0.03
 
 
 @dataclass
@@ -40,6 +44,7 @@ class Check:
     layer_comm: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     layer_wire: dict[str, float] = field(default_factory=dict)  # bytes on the wire per layer and micro-batch
     layers_expected: int = 0
+    tolerance: float | None = None  # the largest |peak / planned_peak - 1| allowed (None: not checked)
     problems: list[str] = field(default_factory=list)
 
 
@@ -47,7 +52,7 @@ def _planner_precision(name: str) -> str:
     return "fp32" if name == "fp32" else "bf16"  # bf16-autocast: not modelled (fp32 state, ~bf16 activations)
 
 
-def _stage_plan(run: ResolvedRun, r: RankRun, gpu: GPU | None):
+def _stage_plan(run: ResolvedRun, r: RankRun, gpu: GPU | None, device: str):
     cfg, pc, tc = run.cfg, run.cfg.parallel, run.cfg.train
     stage = r.coords["pp"][0]
     layers = stage_layer_ids(cfg.model.layers, pc.pp, pc.virtual_stages, stage)
@@ -55,7 +60,7 @@ def _stage_plan(run: ResolvedRun, r: RankRun, gpu: GPU | None):
                         micro_batch=tc.micro_batch, data_parallel=run.dp_mode, cp=pc.cp, stage_layers=layers)
     capacity = gpu.hbm_bytes if gpu is not None else math.inf
     memory = stage_memory(cfg.model, layout, capacity, tc.micro_batch * run.accum * run.dp, stage,
-                          _planner_precision(r.precision))
+                          _planner_precision(r.precision), device)
     return memory, layers
 
 
@@ -110,6 +115,10 @@ def required_collectives(run: ResolvedRun, r: RankRun) -> dict[tuple[str, str], 
     return need
 
 
+def _size(n: float) -> str:
+    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.2f} MiB"
+
+
 def _problems(run: ResolvedRun, r: RankRun, check: Check) -> list[str]:
     who = f"rank {r.rank} of {r.world}"
     out = []
@@ -129,12 +138,21 @@ def _problems(run: ResolvedRun, r: RankRun, check: Check) -> list[str]:
         out.append(f"{who} would run out of memory: predicted peak {check.peak / GIB:.2f} GiB > "
                    f"{check.capacity / GIB:.2f} GiB per GPU (largest: "
                    + ", ".join(f"{k} {v / GIB:.2f} GiB" for v, k in top) + ")")
+    ratio = check.peak / check.planned_peak
+    if check.tolerance is not None and abs(ratio - 1) > check.tolerance:
+        m, part, p = max(((m, k, p) for k, m, p in check.rows if m is not None), key=lambda x: abs(x[0] - x[2]))
+        out.append(f"{who} measures a peak of {check.peak / GIB:.2f} GiB, {ratio:.3f}x the planner's "
+                   f"{check.planned_peak / GIB:.2f} GiB (more than {check.tolerance:.0%} off; furthest: {part} "
+                   f"{_size(m)} measured, {_size(p)} planned)")
     return out
 
 
-def check_rank(run: ResolvedRun, r: RankRun, gpu: GPU | None = None) -> Check:
-    """The comparison and the problems of one rank (module docstring)."""
-    memory, layers = _stage_plan(run, r, gpu)
+def check_rank(run: ResolvedRun, r: RankRun, gpu: GPU | None = None, device: str = "cuda",
+               tolerance: float | None = None) -> Check:
+    """The comparison and the problems of one rank (module docstring); ``device``: what the run was
+    resolved for, whose attention kernels the planner's activations count; ``tolerance``: how far
+    the measured peak may lie from the planner's (None: any distance)."""
+    memory, layers = _stage_plan(run, r, gpu, device)
     parts = dict(memory.parts)
     measured = {"parameters": r.state["parameters"], "gradients": r.state["gradients"],
                 "optimizer": r.state["optimizer"], "activations": r.saved["layers"],
@@ -144,10 +162,10 @@ def check_rank(run: ResolvedRun, r: RankRun, gpu: GPU | None = None) -> Check:
     actual["workspace"] = allowance(actual)
     check = Check(rows=rows + [("workspace", None, float(parts["workspace"]))], peak=float(sum(actual.values())),
                   planned_peak=float(memory.total), capacity=gpu.hbm_bytes if gpu is not None else None,
-                  layers_expected=len(layers))
+                  layers_expected=len(layers), tolerance=tolerance)
     check.layer_comm, check.layer_wire = _layer_comm(run, r, layers)
     check.problems = _problems(run, r, check)
     return check
 
 
-__all__ = ["Check", "MEASURED", "check_rank", "required_collectives"]
+__all__ = ["Check", "MEASURED", "VERIFY_TOLERANCE", "check_rank", "required_collectives"]

@@ -11,7 +11,7 @@ from ..config import RunConfig
 from ..config.errors import UserError
 from ..plan.gpus import GIB, GPU, get_gpu
 from .dryrun import RankRun, default_ranks, dry_run_rank
-from .dryrun_check import Check, check_rank
+from .dryrun_check import VERIFY_TOLERANCE, Check, check_rank
 from .resolve import ResolvedRun, resolve_run
 
 MIB = 2**20
@@ -103,9 +103,10 @@ def _gpu(gpu: str | GPU | None) -> GPU | None:
 
 
 def dry_run(cfg: RunConfig, world: int, ranks: list[int] | None = None, *, device: str = "cuda",
-            gpu: str | GPU | None = None) -> list[tuple[ResolvedRun, RankRun, Check]]:
+            gpu: str | GPU | None = None, tolerance: float | None = None) -> list[tuple[ResolvedRun, RankRun, Check]]:
     """Resolve ``cfg`` for ``world`` ranks and dry-run each of ``ranks`` (default: the first rank
-    of the first and of the last pipeline stage); a problem in resolving names the ranks."""
+    of the first and of the last pipeline stage); a problem in resolving names the ranks.
+    ``tolerance``: a measured peak further than this from the planner's is a problem."""
     if world < 1:
         raise UserError(f"--world must be at least 1 (got {world})")
     table = _gpu(gpu)
@@ -121,7 +122,7 @@ def dry_run(cfg: RunConfig, world: int, ranks: list[int] | None = None, *, devic
     out = []
     for rank in ranks:
         r = dry_run_rank(run, rank, device)
-        out.append((run, r, check_rank(run, r, table)))
+        out.append((run, r, check_rank(run, r, table, device, tolerance)))
     return out
 
 
@@ -140,9 +141,10 @@ def report(name: str, results: list[tuple[ResolvedRun, RankRun, Check]], *, gpu:
 
 
 def main(name: str, cfg: RunConfig, *, world: int, ranks: list[int] | None, device: str, gpu: str | GPU | None,
-         as_json: bool) -> int:
+         as_json: bool, tolerance: float | None = None) -> int:
     """``seqpar train --dry-run``: print the report; a problem is a :class:`UserError` (exit 2)."""
-    problems = report(name, dry_run(cfg, world, ranks, device=device, gpu=gpu), gpu=gpu, as_json=as_json)
+    results = dry_run(cfg, world, ranks, device=device, gpu=gpu, tolerance=tolerance)
+    problems = report(name, results, gpu=gpu, as_json=as_json)
     if problems:
         raise UserError("; ".join(problems))
     return 0
@@ -150,14 +152,16 @@ def main(name: str, cfg: RunConfig, *, world: int, ranks: list[int] | None, devi
 
 def verify_plan(config: str, overrides: list[str], world: int, gpu: GPU) -> int:
     """``seqpar plan ... --verify``: the planner's chosen layout (its ``seqpar train`` overrides on
-    ``config``) dry-run on ``world`` ranks against ``gpu``."""
+    ``config``) dry-run on ``world`` ranks against ``gpu``; a measured peak more than
+    :data:`~seqpar.train.dryrun_check.VERIFY_TOLERANCE` from the planner's fails it."""
     from ..config import load_run_config
     print(f"\nverify: seqpar train {config} {' '.join(overrides)} --dry-run --world {world} --gpu {gpu.name}\n")
     try:
         cfg = load_run_config(config, overrides)
     except ValueError as err:
         raise UserError(f"every rank of {world}: {err}") from err
-    return main(config, cfg, world=world, ranks=None, device="cuda", gpu=gpu, as_json=False)
+    return main(config, cfg, world=world, ranks=None, device="cuda", gpu=gpu, as_json=False,
+                tolerance=VERIFY_TOLERANCE)
 
 
 __all__ = ["dry_run", "main", "rank_json", "rank_text", "report", "verify_plan"]
