@@ -19,7 +19,7 @@ while (( $# )); do
   case "$1" in
     "--device")
       case "${2:-}" in
-        cpu) select=(-m "not gpu" --gpu-table) ;;
+        cpu) select=(-m "not gpu" --gpu-table -) ;;
         cuda) ;;
         *) echo "gpu_check.sh: --device takes cpu or cuda, got '${2:-}'" >&2; exit 2 ;;
       esac

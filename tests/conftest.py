@@ -15,9 +15,9 @@ TEST_EXTRA_MODULES = ("hypothesis", "transformers", "megatron.core", "matplotlib
 def pytest_addoption(parser):
     """Options of the GPU checks (tests/gpu/conftest.py reads them); here so that every run knows them."""
     group = parser.getgroup("seqpar GPU checks (tests/gpu)")
-    group.addoption("--gpu-table", metavar="PATH", nargs="?", const="-", default=None,
-                    help="print the GPU checks' rows as a table at the end; with PATH also write them there "
-                         "(.json: JSON, else Markdown)")
+    group.addoption("--gpu-table", metavar="PATH", default=None,
+                    help="print the GPU checks' rows as a table at the end and write them to PATH (.json: JSON, "
+                         "else Markdown; -: print only)")
     group.addoption("--gpu-tp", metavar="N", type=int, default=None,
                     help="t of the multi-GPU correctness check (default: the largest power of two <= the GPU "
                          "count, at most 16)")

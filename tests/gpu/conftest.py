@@ -8,8 +8,8 @@ only a GPU can make takes ``cuda`` (the ``[cuda]`` variant alone).
 A check records each measurement with ``record_row(check, measured, threshold, ok)``; ``ok=None``
 is shown, not asserted. A row with ``ok`` false fails its test when the test returns (after all
 its rows are recorded, so the table shows each). The rows are printed as a table at the end of a
-``-m gpu`` run or with ``--gpu-table``; ``--gpu-table PATH`` also writes them (``.json``: JSON,
-else Markdown). Both options are registered in tests/conftest.py.
+``-m gpu`` run or with ``--gpu-table PATH``, which also writes them (``.json``: JSON, else
+Markdown; ``-``: print only). Both options are registered in tests/conftest.py.
 """
 from __future__ import annotations
 
