@@ -12,6 +12,17 @@ torch.set_num_threads(1)
 TEST_EXTRA_MODULES = ("hypothesis", "transformers", "megatron.core", "matplotlib", "datasets")
 
 
+def pytest_addoption(parser):
+    """Options of the GPU checks (tests/gpu/conftest.py reads them); here so that every run knows them."""
+    group = parser.getgroup("seqpar GPU checks (tests/gpu)")
+    group.addoption("--gpu-table", metavar="PATH", default=None,
+                    help="print the GPU checks' rows as a table at the end and write them to PATH (.json: JSON, "
+                         "else Markdown; -: print only)")
+    group.addoption("--gpu-tp", metavar="N", type=int, default=None,
+                    help="t of the multi-GPU correctness check (default: the largest power of two <= the GPU "
+                         "count, at most 16)")
+
+
 def _fail_if_test_extra_missing(report) -> None:
     if not report.skipped or os.environ.get("CI", "").lower() not in ("true", "1"):
         return

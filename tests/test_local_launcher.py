@@ -52,6 +52,20 @@ def test_results_come_back_in_rank_order_on_cpu(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []  # the rendezvous dir is removed
 
 
+def _parent_and_gpus(rank, world_size):
+    return os.getppid(), os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def test_gpus_true_shows_the_callers_gpus_to_ranks_spawned_fresh(tmp_path, monkeypatch):
+    """The GPU checks put two gloo ranks on one GPU: with ``gpus=True`` the ranks see the caller's
+    CUDA_VISIBLE_DEVICES and are the caller's own children (spawned: no CUDA state inherited from
+    the forkserver); by default they are forked by the server, GPUs hidden."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert run_local(_parent_and_gpus, 1, tmp_dir=tmp_path, gpus=True) == [(os.getpid(), "0")]
+    parent, visible = run_local(_parent_and_gpus, 1, tmp_dir=tmp_path)[0]
+    assert parent != os.getpid() and visible == ""
+
+
 def test_a_failing_rank_is_reraised_with_its_rank_and_traceback(tmp_path):
     start = time.monotonic()
     with pytest.raises(RankFailed, match=r"rank 1 of 3 failed: ValueError: bad value 42 on purpose") as info:

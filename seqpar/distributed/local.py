@@ -3,8 +3,9 @@
 Used by the tests, the benchmark runner, ``seqpar memory --measure`` and the scripts. Each rank is
 a fresh process that joins a gloo process group through a ``file://`` rendezvous in a private
 temp dir (no port is ever guessed), runs ``fn(rank, world_size, *args)`` with one intra-op thread
-and never sees a GPU. The first rank to fail stops the others and its error, traceback included,
-is raised in the caller; a run past ``timeout`` is killed.
+and never sees a GPU (unless ``gpus=True``: the GPU checks put two gloo ranks on one GPU). The
+first rank to fail stops the others and its error, traceback included, is raised in the caller; a
+run past ``timeout`` is killed.
 
 Ranks are forked from a ``forkserver`` that imported torch and seqpar once (a spawned interpreter
 spends seconds on those imports, and a test suite starts hundreds of ranks); the server itself
@@ -124,13 +125,16 @@ def _stop(procs: list) -> None:
 
 
 def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = 600.0,
-              threads: int = 1, collective_timeout: float = 60.0, tmp_dir: str | Path | None = None) -> list:
+              threads: int = 1, collective_timeout: float = 60.0, tmp_dir: str | Path | None = None,
+              gpus: bool = False) -> list:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` CPU gloo ranks; return the results in rank order.
 
     ``fn`` must be a module-level function; it and ``args`` are pickled, its result too. The
     default process group is initialised around the call (``collective_timeout`` seconds per
     collective). Raises :class:`RankFailed` for the first rank that fails (the others are
     stopped) and ``TimeoutError`` after ``timeout`` seconds (``None``: no limit), hung ranks killed.
+    ``gpus=True`` leaves this process's GPUs visible to the ranks (still one gloo group); they are
+    then spawned fresh, not forked from the server, so no CUDA state is ever inherited.
     """
     if world_size < 1 or threads < 1:
         raise ValueError(f"run_local needs world_size >= 1 and threads >= 1, got {world_size} and {threads}")
@@ -139,11 +143,12 @@ def run_local(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     except Exception as e:
         raise TypeError(f"run_local: {getattr(fn, '__qualname__', fn)!r} and its args must be picklable "
                         f"(a module-level function): {e}") from None
-    ctx = _context()
+    ctx = mp.get_context("spawn") if gpus else _context()
     with tempfile.TemporaryDirectory(prefix="seqpar-ranks-", dir=tmp_dir) as d:
         run_dir, procs = Path(d), []
         try:
-            with _gpus_hidden():  # the ranks (and a forkserver starting now) see no GPU
+            # the ranks (and a forkserver starting now) see no GPU, unless asked to
+            with contextlib.nullcontext() if gpus else _gpus_hidden():
                 environ = dict(os.environ)
                 procs = [ctx.Process(target=_rank_main, name=f"seqpar-rank{r}",
                                      args=(r, world_size, d, payload, threads, collective_timeout, environ))

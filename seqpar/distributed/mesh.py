@@ -242,7 +242,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, cp: int = 
     on one GPU, which NCCL refuses: gloo carries CUDA tensors through host memory for the
     collectives it supports (all-reduce, all-gather, all-to-all, broadcast; its reduce-scatter is
     an all-reduce) but not for send/recv. Slow; it exists so that one GPU can run the multi-rank
-    paths (scripts/gpu_validate.py), not for training.
+    paths (tests/gpu/test_gpu_multirank.py), not for training.
     """
     launched = dist.is_initialized() or "WORLD_SIZE" in os.environ or world_size is not None
     if world_size is None:

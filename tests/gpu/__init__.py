@@ -1,0 +1,1 @@
+"""The GPU checks (docs/gpu.md): a package, so that its conftest and modules keep their own names."""
