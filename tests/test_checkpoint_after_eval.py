@@ -64,9 +64,9 @@ def _stale_root(rank, world, tmp):
             x, y = tr.micro_batches(1)[0]
             tr.model(x, y)
         with pytest.raises(IncompleteTrainingState, match="not the optimizer's"):
-            tr.save(1)
+            tr.checkpoints.save(1)
         tr.engine.after_forward_only()
-        tr.save(1)
+        tr.checkpoints.save(1)
     finally:
         tr.close()
     return [p.name for p in complete_checkpoints(tmp / "ckpt")]

@@ -238,13 +238,13 @@ def test_the_trainer_refuses_another_model_or_data_and_keeps_the_checkpoints(tmp
         trainer = _trainer(tmp_path, tokens, **changes)
         try:
             with pytest.raises(CheckpointMismatch, match=match):
-                trainer.resume()
+                trainer.checkpoints.resume()
         finally:
             trainer.close()
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == saved
     trainer = _trainer(tmp_path, "b.npy", **{"checkpoint.allow_data_change": True, "model.dropout": 0.0})
     try:
-        assert trainer.resume() == 2
+        assert (trainer.checkpoints.resume() or 0) == 2
     finally:
         trainer.close()
 

@@ -40,7 +40,7 @@ def _save_at_2(tmp, out: str, mesh, **extra) -> None:
     try:
         trainer.train_step(0)
         trainer.train_step(1)
-        trainer.save(2)
+        trainer.checkpoints.save(2)
     finally:
         trainer.close()
 
@@ -93,7 +93,7 @@ def _rng_after_resume_at_dp2(tmp) -> bool:
                       mesh=init_parallel(tp=2))
     try:
         fresh = trainer.engine.streams[0].get_state()
-        trainer.resume()
+        trainer.checkpoints.resume()
         after = trainer.engine.streams[0].get_state()
     finally:
         trainer.close()

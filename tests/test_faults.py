@@ -87,7 +87,9 @@ def _faults(rank, world, tmp):
         except FloatingPointError as e:
             out["stop"] = str(e)
         out["stop_kept_weights"] = all(torch.equal(a, p) for a, p in zip(before, params))
-        trainer.tc = dataclasses.replace(trainer.tc, nonfinite_grads="skip")  # the resolved run is read-only
+        cfg = trainer.run.cfg  # the resolved run is read-only: a copy with the other setting
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, nonfinite_grads="skip"))
+        trainer.run = dataclasses.replace(trainer.run, cfg=cfg)
         m = trainer.train_step(1)
         out["skip"] = (m.skipped, math.isnan(m.grad_norm), trainer.history["skipped"])
         out["skip_kept_weights"] = all(torch.equal(a, p) for a, p in zip(before, params))
@@ -99,7 +101,7 @@ def _faults(rank, world, tmp):
             with torch.no_grad():
                 params[0].view(-1)[3] = float("inf")
         try:
-            trainer.save(3)
+            trainer.checkpoints.save(3)
         except FloatingPointError as e:
             out["save"] = str(e)
     finally:

@@ -43,7 +43,7 @@ def _curve(trainer: Trainer, steps: int) -> list[tuple[float, float]]:
 def _sp_grads(trainer: Trainer, every: bool = False) -> dict[str, torch.Tensor]:
     """This rank's part of every SP-replicated gradient (``every``: of every gradient) after one
     step's backward and reductions."""
-    trainer.forward_backward(trainer.micro_batches(0))  # the engine reduces the grads too
+    trainer.engine.forward_backward(trainer.micro_batches(0))  # the engine reduces the grads too
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     params = list(trainer.model.parameters()) if every else sp_replicated_parameters(trainer.model)
     out = {names[id(p)]: local_tensor(p.grad).clone() for p in params}
@@ -56,9 +56,9 @@ def _layouts(rank, world, tmp):
     out = {"state": {}}
     for mode in ("ddp", None):  # None: data_parallel defaults to fsdp when dp > 1
         tr = _trainer(tmp, 2, **({"parallel__data_parallel": mode} if mode else {}))
-        out["default_mode" if mode is None else "ddp_mode"] = tr.dp_mode
-        out[tr.dp_mode] = _curve(tr, STEPS)
-        out["state"][tr.dp_mode] = tr.state  # measured on the tensors after the first step
+        out["default_mode" if mode is None else "ddp_mode"] = tr.run.dp_mode
+        out[tr.run.dp_mode] = _curve(tr, STEPS)
+        out["state"][tr.run.dp_mode] = tr.state  # measured on the tensors after the first step
     for name, extra in {"full_keep": dict(model__recompute="full", parallel__reshard_after_forward=False),
                         "none": dict(model__recompute="none"),
                         "bf16": dict(train__precision="bf16"),
@@ -157,7 +157,7 @@ def _checkpoints(rank, world, tmp):
         for step in range(3):
             tr.train_step(step)
         with _FloatCollectives().active() as rec:
-            tr.save(3)
+            tr.checkpoints.save(3)
         out["save_floats"] = rec.seen
         out["ref"] = [tr.train_step(step).loss for step in range(3, 6)]
     finally:
@@ -166,7 +166,7 @@ def _checkpoints(rank, world, tmp):
         tr = _trainer(tmp, tp, checkpoint__resume="auto", train__steps=6, parallel__data_parallel=mode)
         try:
             with _FloatCollectives().active() as rec:
-                start = tr.resume()
+                start = (tr.checkpoints.resume() or 0)
             out[(tp, mode)] = (start, rec.seen, [tr.train_step(step).loss for step in range(start, 6)])
         finally:
             tr.close()
@@ -175,10 +175,10 @@ def _checkpoints(rank, world, tmp):
     tr = _trainer(tmp / "async", 2, checkpoint__resume="never", train__steps=4, checkpoint__async=True)
     try:
         tr.train_step(0)
-        tr.save(1)
+        tr.checkpoints.save(1)
         out["pending"] = [p.name for p in complete_checkpoints(tmp / "async" / "ckpt")]
         tr.train_step(1)
-        tr.save(2)  # seals step 1 first
+        tr.checkpoints.save(2)  # seals step 1 first
         out["after_second"] = [p.name for p in complete_checkpoints(tmp / "async" / "ckpt")]
     finally:
         tr.close()

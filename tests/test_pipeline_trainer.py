@@ -18,14 +18,14 @@ RUN = {**SHARDED_RUN, "model.layers": 4, "train.steps": 6, "train.eval_interval"
 def _run(tmp: Path, tp: int, pp: int, save_at: int | None = None, **extra) -> dict:
     trainer = Trainer(load_run_config(None, run_overrides(tmp, RUN, parallel__tp=tp, parallel__pp=pp, **extra)),
                       mesh=init_parallel(tp=tp, pp=pp))
-    out = {"losses": [], "accum": trainer.accum, "micro_batch": trainer.tc.micro_batch,
+    out = {"losses": [], "accum": trainer.run.accum, "micro_batch": trainer.run.cfg.train.micro_batch,
            "recipe": trainer.engine.applied.steps}
     try:
-        start = out["start"] = trainer.resume()
-        for step in range(start, trainer.tc.steps):
+        start = out["start"] = (trainer.checkpoints.resume() or 0)
+        for step in range(start, trainer.run.cfg.train.steps):
             out["losses"].append(trainer.train_step(step).loss)
             if step + 1 == save_at:
-                trainer.save(save_at)
+                trainer.checkpoints.save(save_at)
         out["eval"] = trainer.evaluate()
         out["lines"] = (trainer.engine.memory_line(), trainer.engine.log_lines())
     finally:

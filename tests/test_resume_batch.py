@@ -51,7 +51,7 @@ def test_resolve_refuses_a_dp_that_cannot_split_the_saved_batch():
 def _relayout(rank, world, tmp, overrides, tp, mode):
     trainer = Trainer(load_run_config(None, [*overrides, f"parallel.tp={tp}", f"parallel.data_parallel={mode}"]),
                       mesh=init_parallel(tp=tp, dp=world // tp))
-    out = {"micro_batch": trainer.tc.micro_batch, "accum": trainer.accum, "note": trainer.run.batch_note}
+    out = {"micro_batch": trainer.run.cfg.train.micro_batch, "accum": trainer.run.accum, "note": trainer.run.batch_note}
     out["losses"] = trainer.fit()["losses"]
     return out
 

@@ -32,15 +32,15 @@ def _exercise(rank, world, overrides):
     trainer = Trainer(load_run_config(None, overrides), mesh=init_parallel(tp=2))
     out = {}
     try:
-        out["fresh_start"] = trainer.resume()  # no checkpoint yet
+        out["fresh_start"] = (trainer.checkpoints.resume() or 0)  # no checkpoint yet
         out["steps"] = [trainer.train_step(0), trainer.train_step(1)]
         before = [p.detach().clone() for p in trainer.model.parameters()]
         out["eval"] = trainer.evaluate()
         out["eval_left_model_alone"] = trainer.model.training and all(
             torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
-        out["saved"] = trainer.save(2).name
+        out["saved"] = trainer.checkpoints.save(2).name
         after_save = trainer.train_step(2)
-        out["resumed_at"] = trainer.resume()
+        out["resumed_at"] = (trainer.checkpoints.resume() or 0)
         out["step2"] = (after_save, trainer.train_step(2))
         out["agree"] = trainer.agree(torch.tensor(float(rank + 1), dtype=torch.float64), stop=rank == 1,
                                      grad_norm=torch.tensor(1.0 if rank == 0 else math.inf))[:3]
@@ -111,14 +111,14 @@ def _run_splits(rank, world, tmp, micro_batches):
     for micro in micro_batches:
         trainer = Trainer(load_run_config(None, _split_overrides(tmp, micro, world)), mesh=mesh)
         try:
-            trainer.forward_backward(trainer.micro_batches(0))
+            trainer.engine.forward_backward(trainer.micro_batches(0))
             grads = {n: _whole(p.grad).numpy() for n, p in trainer.model.named_parameters()}
             trainer.optimizer.zero_grad(set_to_none=True)
             steps = [trainer.train_step(s) for s in range(5)]
         finally:
             trainer.close()
         out[micro] = {"grads": grads, "losses": [m.loss for m in steps], "norms": [m.grad_norm for m in steps],
-                      "accum": trainer.accum}
+                      "accum": trainer.run.accum}
     return out
 
 
@@ -172,7 +172,7 @@ def _fit_then_resume_other_corpus(rank, world, tmp):
                           mesh=mesh).fit()
     other = Trainer(load_run_config(None, _text_overrides(tmp, tmp / "other", tmp / "runs-other")), mesh=mesh)
     try:
-        other.resume()
+        other.checkpoints.resume()
         refused = None
     except ValueError as e:
         refused = str(e)

@@ -21,7 +21,7 @@ from seqpar.train import Trainer
 def _run(rank: int, world: int, overrides: list[str]) -> list[float]:
     trainer = Trainer(load_run_config("tiny-cpu", overrides), mesh=init_parallel(tp=2))
     try:
-        return [trainer.train_step(step).loss for step in range(trainer.tc.steps)]
+        return [trainer.train_step(step).loss for step in range(trainer.run.cfg.train.steps)]
     finally:
         trainer.close()
 

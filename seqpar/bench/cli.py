@@ -21,6 +21,7 @@ from pathlib import Path
 
 from .. import flops
 from ..model.modes import RECOMPUTE_MODES
+from ..memory.units import human
 from .peer import BenchShape
 from .runner import PEERS, run_spawned
 
@@ -51,7 +52,7 @@ def _parse(argv):
 
 
 def _mib(n: float) -> str:
-    return f"{n / 2**20:.2f}"
+    return human(n, "MiB", suffix=False)  # a table column that names its unit
 
 
 def gemm_bound_s(recompute: str, shape: BenchShape, t: int, gemm_flops: float) -> float:

@@ -61,7 +61,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..distributed.rng import RNGStreams, capture_rng, restore_rng
+from ..distributed.rng import RNGStreams, capture_streams, restore_streams
 from .compat import check_compatible
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointWriteError,
                      IncompleteTrainingState, write_error)
@@ -144,7 +144,7 @@ def _write_own_files(tmp: Path, step: int, extra: dict, config_yaml: str, stream
     checksums, and the one-line error of a write that failed (reported at ``finish``)."""
     current = tmp / f"rng_rank{_rank()}.pt"
     try:
-        torch.save(_capture(streams), current)
+        torch.save(capture_streams(_as_list(streams)), current)
         _fsync(current)  # on a shared filesystem only the writing node can make its file durable
         sums = {current.name: file_checksum(current)}
         if _rank() == 0:
@@ -213,24 +213,6 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
 
 def _as_list(x) -> list:
     return list(x) if isinstance(x, (list, tuple)) else ([] if x is None else [x])
-
-
-def _capture(streams) -> dict:
-    """RNG snapshot: torch's generators and the first streams (:func:`capture_rng`), plus the
-    states of further streams (one per pipeline stage on this rank)."""
-    streams = _as_list(streams)
-    snap = capture_rng(streams[0] if streams else None)
-    snap["more_streams"] = [s.get_state() for s in streams[1:]]
-    return snap
-
-
-def _restore(snap: dict, streams) -> str | None:
-    """Put back :func:`_capture`'s snapshot; the line saying the streams were reseeded (saved on
-    another device type), else ``None``."""
-    streams = _as_list(streams)
-    notes = [restore_rng(snap, streams[0] if streams else None)]
-    notes += [s.set_state(state) for s, state in zip(streams[1:], snap.get("more_streams", []))]
-    return next((n for n in notes if n), None)
 
 
 _ASYNC_GROUP: list = []
@@ -348,7 +330,7 @@ def _load_rng(path: Path, extra: dict, modules: list, streams) -> str | None:
     problem = note = None
     if extra.get("world_size") == world and saved == layout and rng_file.is_file():
         try:
-            note = _restore(torch.load(rng_file, weights_only=True), streams)
+            note = restore_streams(torch.load(rng_file, weights_only=True), _as_list(streams))
         except Exception as e:  # any parse failure of a damaged file; nothing in it runs (weights_only)
             problem = f"checkpoint {rng_file} is unreadable ({type(e).__name__}); it holds RNG states only"
     problem = agree(problem)

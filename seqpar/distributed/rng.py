@@ -240,3 +240,19 @@ def replay_rng(snap: dict, streams: RNGStreams | None = None) -> Iterator[None]:
         yield
     finally:
         restore_rng(current, streams)
+
+
+def capture_streams(streams: list) -> dict:
+    """A rank's RNG snapshot: torch's generators and its first stream (:func:`capture_rng`), plus
+    the states of further streams (one per pipeline stage on the rank)."""
+    snap = capture_rng(streams[0] if streams else None)
+    snap["more_streams"] = [s.get_state() for s in streams[1:]]
+    return snap
+
+
+def restore_streams(snap: dict, streams: list) -> str | None:
+    """Put back :func:`capture_streams`'s snapshot; the line saying the streams were reseeded (saved
+    on another device type), else ``None``."""
+    notes = [restore_rng(snap, streams[0] if streams else None)]
+    notes += [s.set_state(state) for s, state in zip(streams[1:], snap.get("more_streams", []))]
+    return next((n for n in notes if n), None)

@@ -1,13 +1,11 @@
 """Data parallelism for the Trainer: ``ddp`` (replicated state, all-reduced gradients) or ``fsdp``
 (parameters, gradients and AdamW state sharded over dp with FSDP2), behind one interface.
 
-Per optimizer step the Trainer asks, in order: :meth:`DataParallel.micro_batch` around each
-micro-batch's forward and backward (DDP's ``no_sync`` / FSDP's deferred reduce-scatter before
-the last one), :meth:`DataParallel.after_backward` (waiting for the bf16 recipe's fp32 dp
-all-reduce under ddp, launched bucket by bucket during the last backward by
-:class:`~seqpar.parallel.grad_buckets.GradBuckets`; the SP-replicated gradients summed over
-TP), then :meth:`DataParallel.clip` (the one global norm of
-:func:`seqpar.parallel.grads.clip_grad_norm`).
+The engine (:class:`~seqpar.parallel.engine.PlainEngine`, where the step's order is described)
+wraps each micro-batch in :meth:`DataParallel.micro_batch`, then calls
+:meth:`DataParallel.after_backward` and :meth:`DataParallel.clip`. Under ddp with the bf16 recipe
+the fp32 dp all-reduce runs bucket by bucket during the last backward
+(:class:`~seqpar.parallel.grad_buckets.GradBuckets`).
 
 Context parallelism: a CP rank's gradient is its tokens' share, so gradients are summed over cp
 and averaged over dp. Under ddp that is one bucketed reduction over the dp x cp group during

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 from torch.distributed.pipelining import PipelineStage
@@ -97,24 +97,3 @@ class TimedStage(PipelineStage):
             return out
 
 
-def timing_cost_row(step: Callable[[bool], object], *, steps: int = 10, warmup: int = 2,
-                    device: torch.device | str = "cpu") -> dict[str, float]:
-    """One table row for a benchmark script: the mean wall milliseconds of ``step(False)`` (no
-    per-chunk synchronize) and ``step(True)`` (timed), and their ratio. ``step(timed)`` runs one
-    optimizer step (e.g. ``lambda timed: engine.forward_backward(batches, timed=timed)``); each
-    window starts and ends with a device synchronize on CUDA."""
-    cuda = torch.device(device).type == "cuda"
-    row: dict[str, float] = {}
-    for timed in (False, True):
-        for _ in range(warmup):
-            step(timed)
-        if cuda:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        for _ in range(steps):
-            step(timed)
-        if cuda:
-            torch.cuda.synchronize(device)
-        row["timed ms" if timed else "untimed ms"] = (time.perf_counter() - start) / steps * 1e3
-    row["timed / untimed"] = row["timed ms"] / row["untimed ms"] if row["untimed ms"] > 0 else float("nan")
-    return row

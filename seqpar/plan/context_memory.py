@@ -11,12 +11,9 @@ import dataclasses
 
 from ..distributed.context import check_context_layout
 from ..memory.whole_model import model_activation_bytes
+from ..memory.units import human
 from ..model.config import GPTConfig
 from ..model.modes import RECOMPUTE_MODES
-
-
-def _size(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def cp_table(model: GPTConfig, *, t: int, micro_batch: int, cp: int, name: str = "") -> str:
@@ -29,7 +26,7 @@ def cp_table(model: GPTConfig, *, t: int, micro_batch: int, cp: int, name: str =
     for mode in RECOMPUTE_MODES:
         cfg = dataclasses.replace(model, recompute=mode, recompute_layers=None)
         one, many = (model_activation_bytes(cfg, t=t, micro_batch=micro_batch, cp=c)["total"] for c in (1, cp))
-        rows.append(f"| {mode} | {_size(one)} | {_size(many)} | {many / one:.3f} |")
+        rows.append(f"| {mode} | {human(one)} | {human(many)} | {many / one:.3f} |")
     return "\n".join(rows)
 
 

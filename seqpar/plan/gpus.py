@@ -18,7 +18,6 @@ memory. Efficiencies are fractions of the datasheet peak that real kernels reach
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -125,6 +124,3 @@ def get_gpu(name: str) -> GPU:
     return GPUS[key]
 
 
-def with_efficiency(gpu: GPU, **changes: float) -> GPU:
-    """``gpu`` with some efficiency constants replaced (used by the calibration)."""
-    return dataclasses.replace(gpu, **changes)

@@ -19,6 +19,7 @@ from typing import Sequence
 from ..memory.formulas import (PAPER_MODELS, ModelShape, bytes_per_layer, extra_bytes, gib, interleave_factor,
                                load_sections, paper_config_dir, per_gpu_bytes, ratio_to_tp, shape_of)
 from ..memory.state import state_table
+from ..memory.units import human, unit_for
 from ..model.config import GPTConfig
 from ..model.modes import DATA_PARALLEL_MODES, PRECISIONS
 from ..memory.whole_model import attention_kernel
@@ -37,18 +38,6 @@ class Entry:
 
 
 OVERRIDE = re.compile(r"^[A-Za-z_][\w-]*(\.[A-Za-z_][\w-]*)*=")  # model.seq_len=131072, not a path
-UNITS = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10, "B": 1}
-
-
-def unit_for(n: float, least: float = 1.0) -> str:
-    """The largest binary unit in which ``n`` bytes is at least ``least``: ``unit_for(3 * 2**20) == "MiB"``."""
-    return next(u for u, k in UNITS.items() if n >= least * k or u == "B")
-
-
-def human(n: float, unit: str | None = None) -> str:
-    """Bytes in binary units, ``human(3 * 2**20) == "3.00 MiB"``; ``unit`` fixes the unit."""
-    unit = unit or unit_for(n)
-    return f"{n / UNITS[unit]:.2f} {unit}"
 
 
 def load_entry(path: str | Path, micro_batch: int | None = None, tp: int | None = None,

@@ -74,14 +74,3 @@ def predict(run: PaperRun, gpu: GPU) -> tuple[StepTime, StepTime]:
     return full, present
 
 
-def validation_table(gpu: GPU) -> str:
-    """Markdown: predicted vs Table 5 for the four models on ``gpu`` (the A100 for the paper)."""
-    lines = ["| model | full recompute: predicted / paper | SP + selective: predicted / paper | MFU predicted / paper "
-             "| HFU predicted / paper |", "|---|---|---|---|---|"]
-    for name in PAPER_MODELS:
-        full, present = predict(paper_run(name), gpu)
-        tf, tp, mfu, hfu = TABLE5[name]
-        lines.append(f"| {name.upper()} | {full.seconds:.2f} s / {tf} s ({full.seconds / tf - 1:+.1%}) "
-                     f"| {present.seconds:.2f} s / {tp} s ({present.seconds / tp - 1:+.1%}) "
-                     f"| {100 * present.mfu:.1f}% / {100 * mfu:.1f}% | {100 * present.hfu:.1f}% / {100 * hfu:.1f}% |")
-    return "\n".join(lines)

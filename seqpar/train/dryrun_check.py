@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..memory.comm import WIRE_FACTOR, layer_comm, layer_wire_bytes, paper_layer_comm
+from ..memory.units import human
 from ..plan.gpus import GIB, GPU
 from ..plan.layout import run_layout
 from ..plan.memory import allowance, stage_memory
@@ -115,10 +116,6 @@ def required_collectives(run: ResolvedRun, r: RankRun) -> dict[tuple[str, str], 
     return need
 
 
-def _size(n: float) -> str:
-    return f"{n / GIB:.2f} GiB" if abs(n) >= GIB else f"{n / 2**20:.2f} MiB"
-
-
 def _problems(run: ResolvedRun, r: RankRun, check: Check) -> list[str]:
     who = f"rank {r.rank} of {r.world}"
     out = []
@@ -143,7 +140,7 @@ def _problems(run: ResolvedRun, r: RankRun, check: Check) -> list[str]:
         m, part, p = max(((m, k, p) for k, m, p in check.rows if m is not None), key=lambda x: abs(x[0] - x[2]))
         out.append(f"{who} measures a peak of {check.peak / GIB:.2f} GiB, {ratio:.3f}x the planner's "
                    f"{check.planned_peak / GIB:.2f} GiB (more than {check.tolerance:.0%} off; furthest: {part} "
-                   f"{_size(m)} measured, {_size(p)} planned)")
+                   f"{human(m)} measured, {human(p)} planned)")
     return out
 
 

@@ -9,20 +9,12 @@ from collections.abc import Callable
 
 from ..config import RunConfig
 from ..config.errors import UserError
-from ..plan.gpus import GIB, GPU, get_gpu
+from ..memory.units import human
+from ..plan.gpus import GPU, get_gpu
 from .dryrun import RankRun, default_ranks, dry_run_rank
 from .dryrun_check import VERIFY_TOLERANCE, Check, check_rank
 from .resolve import ResolvedRun, resolve_run
 
-MIB = 2**20
-
-
-def _size(n: float | None) -> str:
-    if n is None:
-        return "-"
-    if abs(n) >= GIB:
-        return f"{n / GIB:.2f} GiB"
-    return f"{n / MIB:.2f} MiB" if abs(n) >= MIB else f"{n / 1024:.2f} KiB"
 
 
 def _ratio(a: float | None, b: float) -> str:
@@ -41,18 +33,18 @@ def _header(name: str, run: ResolvedRun, r: RankRun, check: Check) -> str:
 
 def _memory_table(check: Check, gpu: GPU | None) -> list[str]:
     lines = ["| bytes per GPU | measured | planner | ratio |", "|---|---:|---:|---:|"]
-    lines += [f"| {k} | {_size(m)} | {_size(p)} | {_ratio(m, p)} |" for k, m, p in check.rows]
-    fits = "" if gpu is None else (f" of {gpu.name}'s {_size(gpu.hbm_bytes)}: "
+    lines += [f"| {k} | {human(m)} | {human(p)} | {_ratio(m, p)} |" for k, m, p in check.rows]
+    fits = "" if gpu is None else (f" of {gpu.name}'s {human(gpu.hbm_bytes)}: "
                                    + ("fits" if check.peak <= gpu.hbm_bytes else "DOES NOT FIT"))
-    lines.append(f"| **peak** (measured terms + planner's others){fits} | {_size(check.peak)} | "
-                 f"{_size(check.planned_peak)} | {_ratio(check.peak, check.planned_peak)} |")
+    lines.append(f"| **peak** (measured terms + planner's others){fits} | {human(check.peak)} | "
+                 f"{human(check.planned_peak)} | {_ratio(check.peak, check.planned_peak)} |")
     return lines
 
 
 def _comm_table(r: RankRun) -> list[str]:
     lines = ["| collective | group | calls | bytes | of them in layers |", "|---|---|---:|---:|---:|"]
-    lines += [f"| {row['kind']} | {row['group']} | {row['calls']:,} | {_size(row['bytes'])} | "
-              + (f"{row['layer_calls']:,} calls, {_size(row['layer_bytes'])} |" if row["layer_calls"] else "- |")
+    lines += [f"| {row['kind']} | {row['group']} | {row['calls']:,} | {human(row['bytes'])} | "
+              + (f"{row['layer_calls']:,} calls, {human(row['layer_bytes'])} |" if row["layer_calls"] else "- |")
               for row in r.comm]
     return lines
 
@@ -72,7 +64,7 @@ def _layer_table(check: Check) -> list[str]:
              "|---|---|---:|---:|---:|"]
     for label, key in rows:
         total = sum(n for _, n in lc[key].values())
-        lines.append(f"| {label} | {_calls(lc[key])} | {_size(total)} | {_size(wire[key])} | "
+        lines.append(f"| {label} | {_calls(lc[key])} | {human(total)} | {human(wire[key])} | "
                      f"{_ratio(wire[key], wire['seqpar'])} |")
     return lines
 
@@ -80,7 +72,7 @@ def _layer_table(check: Check) -> list[str]:
 def rank_text(name: str, run: ResolvedRun, r: RankRun, check: Check, gpu: GPU | None) -> str:
     """The printed report of one rank."""
     lines = [_header(name, run, r, check), "", *_memory_table(check, gpu), "", *_comm_table(r), "",
-             *_layer_table(check), "", f"wall {r.seconds:.1f} s, peak RSS {_size(r.peak_rss)}"]
+             *_layer_table(check), "", f"wall {r.seconds:.1f} s, peak RSS {human(r.peak_rss)}"]
     lines += [f"problem: {p}" for p in check.problems]
     return "\n".join(lines)
 

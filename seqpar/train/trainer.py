@@ -4,15 +4,14 @@ Setup (``Trainer(cfg)``), in order: the run resolved by :func:`seqpar.train.reso
 (validated on every rank before any collective; pipeline batch split, accumulation, ddp/fsdp,
 ``recompute: auto``, a resumed checkpoint's global batch) -> mesh -> header and resolved config
 -> corpus (every rank prepares it; a file lock, not a collective, makes the others wait while one
-builds the cache), train stream and
-eval batches -> the step engine (:mod:`seqpar.parallel.engine`: the GPT over FSDP2 or DDP on dp,
+builds the cache), train stream and eval batches -> the step engine (:mod:`seqpar.parallel.engine`: the GPT over FSDP2 or DDP on dp,
 or this rank's pipeline stages) -> optimizer -> checkpoint manager. :meth:`Trainer.fit` then
 resumes and runs the loop.
 
 Order of operations per optimizer step (:meth:`Trainer.train_step`), on every rank:
 set the step's learning rate -> the step's micro-batches, cut from its global batch (a function of
-seed and step only) -> the engine's forward/backward (gradients reduced over dp and, for the
-SP-replicated ones, summed over TP) -> the engine's global-norm clip -> one world all-reduce
+seed and step only) -> the engine's forward/backward (:mod:`seqpar.parallel.engine` describes what
+happens inside it: micro-batches, precision, reductions over dp and TP) -> the engine's global-norm clip -> one world all-reduce
 carrying the mean loss, the stop flag and whether the grad norm is finite (:meth:`Trainer.agree`)
 -> AdamW step, or, when the loss or the gradients are not finite, a stop naming the step or a
 skipped step (``train.nonfinite_grads``, ``max_skipped_steps``) -> grads zeroed. After the step,
@@ -24,7 +23,6 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -95,22 +93,21 @@ class Trainer:
         if self.run.world_size != world:
             raise ValueError(f"the run was resolved for world size {self.run.world_size}, got {world}")
         check_memory(self.run, mesh.device if mesh else device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        self.cfg, self.tc, self.mc = self.run.cfg, self.run.cfg.train, self.run.cfg.model
-        self.dp, self.accum, self.dp_mode = self.run.dp, self.run.accum, self.run.dp_mode
+        cfg = self.run.cfg
         self.mesh = self._setup_mesh(mesh)
-        self.logger = MetricsLogger(self.cfg.out_dir, self.mesh.is_first, self.tc.steps)
+        self.logger = MetricsLogger(cfg.out_dir, self.mesh.is_first, cfg.train.steps)
         self.history: dict = {"steps": [], "losses": [], "eval": [], "checkpoint": None, "skipped": []}
         self.start_step = 0  # first step this process runs (> 0 after a resume)
         self.state: dict[str, int] | None = None  # bytes of training state, measured at the first step
         self._stop: StopRequest | None = None  # installed by fit()
-        self.skips = SkippedSteps(self.tc.max_skipped_steps)  # train.nonfinite_grads=skip's streaks
+        self.skips = SkippedSteps(cfg.train.max_skipped_steps)  # train.nonfinite_grads=skip's streaks
         self._ahead: tuple[int, list[Batch]] | None = None  # the next step's batches, on their way (CUDA)
         self._ckpt_dir = None  # the job's lock on checkpoint.dir (rank 0), held until close()
         try:
-            self._ckpt_dir = open_checkpoint_dir(self.cfg.checkpoint.dir, self.mesh.is_first)
+            self._ckpt_dir = open_checkpoint_dir(cfg.checkpoint.dir, self.mesh.is_first)
             self._announce()
             self._setup_data()
-            self.precision = Precision(self.tc.precision, self.mesh.device, fsdp=self.dp_mode == "fsdp")
+            self.precision = Precision(cfg.train.precision, self.mesh.device, fsdp=self.run.dp_mode == "fsdp")
             self._setup_model()
             self.throughput = self._throughput()
         except BaseException:
@@ -123,19 +120,20 @@ class Trainer:
 
     def _setup_mesh(self, mesh: ParallelMesh | None) -> ParallelMesh:
         """The mesh of the resolved layout, unless one was given."""
-        pc = self.cfg.parallel
+        pc = self.run.cfg.parallel
         if mesh is None:
-            mesh = init_parallel(pc.tp, self.dp, pp=pc.pp, cp=pc.cp, timeout=timedelta(minutes=pc.timeout_minutes))
+            mesh = init_parallel(pc.tp, self.run.dp, pp=pc.pp, cp=pc.cp, timeout=timedelta(minutes=pc.timeout_minutes))
         if mesh.device.type == "cpu":
-            torch.set_num_threads(self.tc.threads_per_rank)
+            torch.set_num_threads(self.run.cfg.train.threads_per_rank)
         return mesh
 
     def _announce(self) -> None:
         """Print the layout and the resolved config; the first rank writes ``config.yaml``."""
-        cfg, mc, tc = self.cfg, self.mc, self.tc
+        run, cfg = self.run, self.run.cfg
+        mc, tc = cfg.model, cfg.train
         self.logger.print(f"seqpar: {self.mesh}; model {mc.layers}L h={mc.hidden} a={mc.heads} s={mc.seq_len} "
                           f"v={mc.vocab_size}; sequence_parallel={mc.sequence_parallel} recompute={mc.recompute}; "
-                          f"micro_batch={tc.micro_batch} x accumulation {self.accum} x dp {self.dp}")
+                          f"micro_batch={tc.micro_batch} x accumulation {run.accum} x dp {run.dp}")
         for note in (self.run.recompute_note, self.run.batch_note):
             if note:
                 self.logger.print(note)
@@ -146,16 +144,17 @@ class Trainer:
 
     def _setup_data(self) -> None:
         """Corpus, the training stream of this dp rank, fixed eval batches, the tokenizer attachment."""
-        self.corpus = load_corpus(self.cfg, self.logger.print)
-        self.batches, self.evals = data_streams(self.cfg, self.corpus, self.mesh.dp_rank, self.dp, self.accum,
+        run = self.run
+        self.corpus = load_corpus(run.cfg, self.logger.print)
+        self.batches, self.evals = data_streams(run.cfg, self.corpus, self.mesh.dp_rank, run.dp, run.accum,
                                                 self.logger.print)
-        self.attachments = tokenizer_attachment(self.cfg, self.corpus, self.mesh.is_first)
+        self.attachments = tokenizer_attachment(run.cfg, self.corpus, self.mesh.is_first)
 
     def _setup_model(self) -> None:
         """The step engine (the GPT over ddp / fsdp, or this rank's pipeline stages), its optimizer
         and the checkpoint manager over the engine's model parts."""
-        tc = self.tc
-        self.engine = build_engine(self.cfg, self.mesh, accum=self.accum, precision=self.precision)
+        tc = self.run.cfg.train
+        self.engine = build_engine(self.run.cfg, self.mesh, accum=self.run.accum, precision=self.precision)
         self.model = self.engine.module  # the GPT, or an nn.ModuleList of this rank's stages
         self.logger.print(self.engine.parameters_line())
         self.precision.check_model(self.model)
@@ -170,8 +169,8 @@ class Trainer:
 
     def _throughput(self) -> Throughput:
         """Tokens and model FLOPs per optimizer step (whole world) against the device's peak."""
-        tc, mc = self.tc, self.mc
-        sequences = tc.micro_batch * self.accum * self.dp
+        run = self.run
+        mc, sequences = run.cfg.model, run.global_batch
         step_flops = flops.step_model_flops(mc, sequences=sequences, t=self.mesh.tp_size)
         return Throughput(sequences * mc.seq_len, step_flops, self.mesh.world_size, flops.peak_flops(device_name()))
 
@@ -179,7 +178,7 @@ class Trainer:
 
     def set_lr(self, step: int) -> float:
         """Warmup + cosine learning rate of ``step`` (from 0), written into every param group."""
-        tc = self.tc
+        tc = self.run.cfg.train
         lr = lr_at(step, lr=tc.lr, min_lr=tc.min_lr, warmup_steps=tc.warmup_steps, total_steps=tc.steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -197,7 +196,7 @@ class Trainer:
 
     def prefetch(self, step: int) -> None:
         """Start copying step ``step``'s micro-batches to the GPU (CUDA only; a no-op elsewhere)."""
-        if self.mesh.device.type == "cuda" and step < self.tc.steps:
+        if self.mesh.device.type == "cuda" and step < self.run.cfg.train.steps:
             self._ahead = (step, self._to_device(step))
 
     def _to_device(self, step: int) -> list[Batch]:
@@ -207,16 +206,9 @@ class Trainer:
         return [(x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True))
                 for x, y in self.batches.step_batches(step)]
 
-    def forward_backward(self, micro_batches: Iterable[Batch], step: int | None = None) -> torch.Tensor:
-        """Forward and backward over ``micro_batches`` through the engine, in the run's precision,
-        each loss scaled by 1/accum so the grads are the step's mean, then reduced (dp; SP grads
-        over TP; pipelines: the tied pair). Returns this rank's mean loss as a float64 scalar on
-        the mesh device (no host sync). ``step`` (from 0): timed when it is a log step."""
-        timed = step is not None and self._is_log_step(step + 1)
-        return self.engine.forward_backward(list(micro_batches), timed=timed)
-
     def _is_log_step(self, done: int) -> bool:
-        return done % self.tc.log_interval == 0 or done == self.tc.steps
+        tc = self.run.cfg.train
+        return done % tc.log_interval == 0 or done == tc.steps
 
     def agree(self, loss_sum: torch.Tensor, stop: bool, grad_norm: torch.Tensor | None = None
               ) -> tuple[float, bool, bool, float]:
@@ -237,14 +229,15 @@ class Trainer:
         ``train.nonfinite_grads=stop`` (default) :class:`NonFiniteError` names the step, under
         ``skip`` the grads are dropped and the step counted in ``history["skipped"]`` (too many in
         a row: :class:`NonFiniteError`, :class:`SkippedSteps`)."""
+        tc = self.run.cfg.train
         lr = self.set_lr(step)
-        loss_sum = self.forward_backward(self.micro_batches(step), step)
+        loss_sum = self.engine.forward_backward(self.micro_batches(step), timed=self._is_log_step(step + 1))
         self.prefetch(step + 1)  # overlaps the next step's host-to-device copies with this one's tail
-        grad_norm = self.engine.clip(self.tc.grad_clip)
+        grad_norm = self.engine.clip(tc.grad_clip)
         loss, stop, finite, grad_norm = self.agree(loss_sum, self.stop_requested, grad_norm)
         grad_norm = grad_norm if finite else float("nan")  # the same on every rank
         skipped = not (finite and math.isfinite(loss))
-        if skipped and self.tc.nonfinite_grads == "stop":
+        if skipped and tc.nonfinite_grads == "stop":
             self.optimizer.zero_grad(set_to_none=True)
             raise nonfinite_error(step, loss, grad_norm, self.checkpoints.good)
         if skipped:
@@ -268,9 +261,10 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean held-out loss over the eval batches, averaged over the world (identical on all ranks)."""
         if not self.evals:
-            raise ValueError(f"no eval batches: train.eval_interval is {self.tc.eval_interval} or the held-out "
-                             f"split (data.eval_fraction={self.cfg.data.eval_fraction}) is shorter than "
-                             f"seq_len + 1 = {self.mc.seq_len + 1} tokens")
+            cfg = self.run.cfg
+            raise ValueError(f"no eval batches: train.eval_interval is {cfg.train.eval_interval} or the held-out "
+                             f"split (data.eval_fraction={cfg.data.eval_fraction}) is shorter than "
+                             f"seq_len + 1 = {cfg.model.seq_len + 1} tokens")
         total = self.engine.evaluate(self.evals)
         if dist.is_initialized():
             dist.all_reduce(total)
@@ -280,13 +274,14 @@ class Trainer:
     def sample(self, prompt: str = "def ", max_new_tokens: int = 48) -> str:
         """Text continuing ``prompt`` (seeded by ``train.seed``); a collective under TP, call on every rank."""
         if self.corpus.tokenizer is None:
-            raise ValueError(f"sample: the corpus {self.cfg.data.source!r} is a bare token file without a "
+            raise ValueError(f"sample: the corpus {self.run.cfg.data.source!r} is a bare token file without a "
                              f"tokenizer.json beside it")
         if self.engine.full_model is None:
             raise ValueError("sample: this rank holds pipeline stages or context-parallel chunks, not the whole "
                              "model; sample from a checkpoint with seqpar generate")
         try:
-            ids = sample_ids(self.engine.full_model, self.corpus.encode(prompt), max_new_tokens, seed=self.tc.seed)
+            ids = sample_ids(self.engine.full_model, self.corpus.encode(prompt), max_new_tokens,
+                             seed=self.run.cfg.train.seed)
         finally:
             self.engine.after_forward_only()
         return self.corpus.decode(ids)
@@ -309,7 +304,7 @@ class Trainer:
 
     def _after_step(self, done: int, m: StepMetrics) -> None:
         """Evaluate and checkpoint when due (a stop request forces a checkpoint; not after a skipped step)."""
-        tc, interval = self.tc, self.cfg.checkpoint.interval
+        tc, interval = self.run.cfg.train, self.run.cfg.checkpoint.interval
         if self.evals and tc.eval_interval > 0 and (done % tc.eval_interval == 0 or done == tc.steps):
             ev = self.evaluate()
             self.history["eval"].append((done, ev))
@@ -319,18 +314,18 @@ class Trainer:
         if due and m.skipped:
             self.logger.print(f"checkpoint of step {done} not written: the step was skipped (non-finite loss or "
                               f"gradients); the last good checkpoint is {self.checkpoints.good or 'none'}")
-        elif due:
-            self.save(done)
+        elif due:  # the last good checkpoint when no step was skipped since the previous one
+            self.history["checkpoint"] = str(self.checkpoints.save(done, good=self.skips.checkpointed()))
 
     def fit(self) -> dict:
         """Resume if configured, train to ``train.steps`` (or a SIGTERM), then print a sample when
         the corpus has a tokenizer. Returns ``{"steps", "losses", "eval", "checkpoint", "skipped"}``."""
         stopped = False
         try:
-            self.resume()
+            self.start_step = self.checkpoints.resume() or 0
             self._stop = StopRequest()
             compile_start = compile_seconds()
-            for step in range(self.start_step, self.tc.steps):
+            for step in range(self.start_step, self.run.cfg.train.steps):
                 t0 = time.perf_counter()
                 m = self.train_step(step)
                 self.history["steps"].append(step + 1)
@@ -353,7 +348,7 @@ class Trainer:
             if self.corpus.tokenizer is not None and not stopped and whole:
                 self._print_sample()
             elif not whole and self.history["checkpoint"]:
-                self.logger.print(f"sample: seqpar generate {self.cfg.checkpoint.dir} (one process, any layout)")
+                self.logger.print(f"sample: seqpar generate {self.run.cfg.checkpoint.dir} (one process, any layout)")
         finally:
             self.close()
         return self.history
@@ -367,29 +362,10 @@ class Trainer:
         except NonFiniteError as e:
             self.logger.print(f"sample: not printed, {e}")
 
-    def save(self, step: int) -> Path:
-        """Checkpoint step ``step`` on every rank (:meth:`CheckpointManager.save`); the folder. It
-        becomes the last good checkpoint when no step was skipped since the previous one."""
-        path = self.checkpoints.save(step, good=self.skips.checkpointed())
-        self.history["checkpoint"] = str(path)
-        return path
-
-    def finish_pending_save(self) -> None:
-        """Seal a background checkpoint (``checkpoint.async``); every rank."""
-        self.checkpoints.finish_pending()
-
-    def resume(self) -> int:
-        """Load the checkpoint ``checkpoint.resume`` says (``auto``: the newest complete one; a path:
-        that one; any layout); returns the step to start from (0 when there is none)."""
-        step = self.checkpoints.resume()
-        if step is not None:
-            self.start_step = step
-        return self.start_step
-
     def close(self) -> None:
         """Seal a background checkpoint, restore the SIGTERM handler, close the metrics files,
         release the checkpoint dir."""
-        self.finish_pending_save()
+        self.checkpoints.finish_pending()
         if self._stop is not None:
             self._stop.restore()
             self._stop = None

@@ -69,13 +69,6 @@ def fp32_exact():
         torch.set_float32_matmul_precision(before)
 
 
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n / 2**10:.1f} KiB"
-
-
 def max_rel(a: list[float], b: list[float]) -> float:
     """Largest ``|a - b| / |b|`` over two loss curves (inf when their lengths differ)."""
     return max(abs(x - y) / max(abs(y), 1e-30) for x, y in zip(a, b)) if len(a) == len(b) else float("inf")

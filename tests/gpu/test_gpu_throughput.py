@@ -11,11 +11,12 @@ from gpt_helpers import batch
 from seqpar import flops
 from seqpar.distributed import ParallelMesh
 from seqpar.memory import ActivationLedger
+from seqpar.memory.units import human
 from seqpar.model import GPT, GPTConfig
 from seqpar.parallel.compile import compile_blocks, compile_seconds, uncompile_blocks
 from seqpar.train.optim import build_optimizer
 
-from .helpers import fmt_bytes, sync
+from .helpers import sync
 
 Row = tuple[str, str, str, bool | None]  # check, measured, threshold, ok (None: shown, not asserted)
 
@@ -98,7 +99,7 @@ def throughput_rows(res: dict[str, dict], cfg: GPTConfig, b: int, on_gpu: bool, 
     for mode, r in res.items():
         mfu = f"MFU {mf / r['step_s'] / peak_flops:.1%}" if peak_flops else "MFU n/a (unknown peak)"
         rows.append((f"throughput {mode}", f"{r['step_s'] * 1e3:.1f} ms/step, {mf / r['step_s'] / 1e12:.3g} "
-                     f"TFLOP/s, {mfu}, {mem} {fmt_bytes(r['peak'])}", "-", None))
+                     f"TFLOP/s, {mfu}, {mem} {human(r['peak'])}", "-", None))
     note = "" if on_gpu else " (tiny CPU run: shown, asserted on CUDA only)"
     sel, full = (res[m]["step_s"] / res["none"]["step_s"] for m in ("selective", "full"))
     # selective's cost is one more forward of each layer's attention core, whatever share of the
@@ -111,7 +112,7 @@ def throughput_rows(res: dict[str, dict], cfg: GPTConfig, b: int, on_gpu: bool, 
     rows.append((f"throughput full / none{note}", f"{full:.3f}", "in [1.2, 1.45]",
                  1.2 <= full <= 1.45 if on_gpu else None))
     peaks = [res[m]["peak"] for m in ("none", "selective", "full")]
-    rows.append((f"throughput {mem} none > selective > full", " > ".join(fmt_bytes(p) for p in peaks),
+    rows.append((f"throughput {mem} none > selective > full", " > ".join(human(p) for p in peaks),
                  "strictly decreasing", peaks[0] > peaks[1] > peaks[2]))
     return rows
 
@@ -125,7 +126,7 @@ def compiled_rows(res: dict[str, dict], compiled: dict, cfg: GPTConfig, on_gpu: 
              f"{compiled['step_s'] * 1e3:.1f} ms vs {res['selective']['step_s'] * 1e3:.1f} ms: "
              f"{ratio:.3f}x eager's tokens/s", ">= 1.0", ratio >= 1.0 if on_gpu else None),
             ("compiled selective: peak memory vs eager",
-             f"{fmt_bytes(compiled['peak'])} vs {fmt_bytes(res['selective']['peak'])}", "-", None),
+             f"{human(compiled['peak'])} vs {human(res['selective']['peak'])}", "-", None),
             (f"compile time ({compiled['blocks']} blocks of one shape, {cfg.layers}L h={cfg.hidden})",
              f"{compiled['compile_s']:.1f} s compiling; first step {compiled['first_s']:.1f} s", "-", None)]
 

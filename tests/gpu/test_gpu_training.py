@@ -7,7 +7,6 @@ import statistics
 import time
 import warnings
 
-import pytest
 import torch
 
 from gpt_helpers import batch
