@@ -78,14 +78,14 @@ def test_keep_n_spares_the_last_good_checkpoint_while_steps_are_skipped(tmp_path
     _poison_steps(trainer, {3, 5, 6, 11, 12, 13})
     ckpt = tmp_path / "ckpt"
     kept = []
-    save = trainer.save
+    save = trainer.checkpoints.save
 
-    def watched_save(step):
-        path = save(step)
+    def watched_save(step, **kwargs):
+        path = save(step, **kwargs)
         kept.append((step, _steps(ckpt)))
         return path
 
-    trainer.save = watched_save
+    trainer.checkpoints.save = watched_save
     with pytest.raises(NonFiniteError, match=r"^steps 11-13 skipped in a row, more than train.max_skipped_steps=2 .*"
                        rf"checkpoint.resume={re.escape(str(ckpt / 'step_00000010'))} and a lower train.lr$"):
         trainer.fit()
@@ -145,7 +145,7 @@ def test_the_cli_stops_a_diverged_run_in_one_line(tmp_path):
     _trainer(tmp_path).fit()  # the good run's checkpoints, steps 5 and 10 (in this process: quicker)
     p = _train(tmp_path, 1, {**GOOD, **DIVERGE}, "diverged")
     ckpt = tmp_path / "ckpt"
-    _one_line(p, rf"seqpar train: rank 0: steps \d+-\d+ skipped in a row, more than train.max_skipped_steps=10 "
+    _one_line(p, rf"seqpar train: steps \d+-\d+ skipped in a row, more than train.max_skipped_steps=10 "
                  rf".*checkpoint.resume={re.escape(str(ckpt / 'step_00000010'))} and a lower train.lr")
     assert _steps(ckpt) == ["step_00000005", "step_00000010"]
     records = [json.loads(x) for x in (tmp_path / "diverged" / "metrics.jsonl").read_text().splitlines()]
@@ -153,7 +153,7 @@ def test_the_cli_stops_a_diverged_run_in_one_line(tmp_path):
 
     # train.nonfinite_grads=stop: one line naming the step, exit 2, on one rank and on two
     stop = {"train.steps": 6, "train.lr": 1e6, "train.warmup_steps": 0, "checkpoint.dir": str(tmp_path / "c2")}
-    for nproc, ranks in ((1, "rank 0"), (2, "ranks 0, 1")):
+    for nproc, ranks in ((1, ""), (2, "ranks 0, 1: ")):
         p = _train(tmp_path, nproc, stop, f"stop{nproc}")
-        _one_line(p, rf"seqpar train: {ranks}: non-finite (loss|gradients).* at step \d+; stopping before the "
+        _one_line(p, rf"seqpar train: {ranks}non-finite (loss|gradients).* at step \d+; stopping before the "
                      rf"optimizer step\. .*no checkpoint was written\.")

@@ -101,6 +101,8 @@ VALID: dict[str, st.SearchStrategy] = {
     "train.grad_clip": _floats(0.0, 1e3), "train.seed": st.integers(-2**63, 2**64),
     "train.log_interval": st.integers(1, 10**4), "train.eval_interval": st.integers(0, 10**4),
     "train.eval_batches": st.integers(1, 1000), "train.threads_per_rank": st.integers(1, 256),
+    "train.max_skipped_steps": st.integers(1, 10**6),
+    "checkpoint.resume": st.sampled_from(["auto", "never", "runs/ckpt", "runs/ckpt/step_00000010"]),
     "train.memory_budget_gib": st.none() | _floats(0.0, 1e6, exclude_min=True),
     "train.compile": st.sampled_from([True, False, "auto"]),
     "checkpoint.dir": TEXT, "checkpoint.interval": st.integers(0, 10**6), "checkpoint.keep": st.integers(1, 1000),
@@ -123,6 +125,8 @@ VALID.update({k: s for k, tp in SCHEMA.items() if k not in VALID and (s := _deri
 def valid_values(draw) -> dict[str, Any]:
     """Some fields with valid values; the cross-field rules a field-by-field draw can break are kept."""
     values = draw(st.fixed_dictionaries({}, optional=VALID))
+    if not values:  # a file that sets nothing is refused (tests/test_config_loader.py): give it a key
+        values["train.seed"] = draw(VALID["train.seed"])
     if values.get("model.rope_scaling") is not None:
         values["model.position"] = "rope"  # scaling is for rotary positions only
     if values.get("model.mlp") == "swiglu" and "model.activation" in values:
@@ -173,7 +177,7 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy] = {
     "train.memory_budget_gib": st.floats(max_value=0.0) | NONFINITE,
     "train.compile": st.sampled_from(["yes", "on", 1]),
     "model.recompute_layers": st.lists(st.sampled_from(["none", "selective", "full"]), max_size=11),  # layers = 12
-    "checkpoint.interval": BELOW[0], "checkpoint.keep": BELOW[1],
+    "checkpoint.interval": BELOW[0], "checkpoint.keep": BELOW[1], "train.max_skipped_steps": BELOW[1],
 }
 OUT_OF_RANGE = {k: s for k, s in OUT_OF_RANGE.items() if k in SCHEMA}
 
