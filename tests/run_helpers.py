@@ -1,6 +1,7 @@
 """Tiny training runs for tests: a token file under the test's folder and the overrides that point
 a run's data, checkpoints and outputs there. Each test states the model and training settings it
 needs; this module only does the plumbing they share."""
+import time
 from pathlib import Path
 
 import numpy as np
@@ -64,3 +65,14 @@ def train_rank(rank, world, overrides, tp, dp):
     from seqpar.config import load_run_config
     from seqpar.train import train
     return train(load_run_config(None, overrides), mesh=init_parallel(tp=tp, dp=dp))
+
+
+def wait_for(cond, proc, log: Path, what: str, timeout: float = 300) -> None:
+    """Poll ``cond()`` while ``proc`` (a launched run writing ``log``) lives; kill it and fail with the
+    log's tail when it exits first or ``timeout`` seconds pass."""
+    t0 = time.time()
+    while not cond():
+        if proc.poll() is not None or time.time() - t0 > timeout:
+            proc.kill()
+            raise AssertionError(f"{what} did not happen:\n{log.read_text()[-4000:]}")
+        time.sleep(0.2)

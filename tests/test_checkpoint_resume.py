@@ -6,7 +6,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 
 from seqpar.checkpoint import complete_checkpoints
 
-from run_helpers import learnable_overrides, train_rank
+from run_helpers import learnable_overrides, train_rank, wait_for
 
 
 def test_resume_is_exact_and_reshards(spawn, tmp_path):
@@ -53,28 +52,19 @@ def _workers(proc) -> list[int]:
     return [int(p) for p in out]
 
 
-def _wait(cond, proc, log: Path, what: str, timeout=180) -> None:
-    t0 = time.time()
-    while not cond():
-        if proc.poll() is not None or time.time() - t0 > timeout:
-            proc.kill()
-            raise AssertionError(f"{what} did not happen:\n{log.read_text()[-4000:]}")
-        time.sleep(0.2)
-
-
 def test_killed_rank_then_restart_resumes_and_sigterm_saves(tmp_path):
     ov = learnable_overrides(tmp_path, **{"parallel.tp": 2, "train.steps": 400, "checkpoint.interval": 5,
                                  "checkpoint.resume": "auto", "train.log_interval": 1})
     log = tmp_path / "torchrun.log"
     proc = _torchrun(tmp_path, ov, log)
-    _wait(lambda: complete_checkpoints(tmp_path / "ckpt"), proc, log, "a first checkpoint")
+    wait_for(lambda: complete_checkpoints(tmp_path / "ckpt"), proc, log, "a first checkpoint")
     os.kill(_workers(proc)[1], signal.SIGKILL)  # one rank dies mid-run: the job fails instead of hanging
     assert proc.wait(timeout=120) != 0
     saved = int(complete_checkpoints(tmp_path / "ckpt")[-1].name.split("_")[1])
     # the restarted job resumes from the newest complete checkpoint
     log2 = tmp_path / "torchrun2.log"
     proc = _torchrun(tmp_path, ov, log2)
-    _wait(lambda: "resumed from" in log2.read_text() and
+    wait_for(lambda: "resumed from" in log2.read_text() and
           "step" in log2.read_text().split("resumed from")[-1], proc, log2, "a resumed training step")
     assert f"at step {saved}" in log2.read_text().split("resumed from")[1].splitlines()[0]
     for pid in _workers(proc):  # SIGTERM asks the workers to checkpoint and stop cleanly
@@ -91,9 +81,9 @@ def test_torchrun_restarts_a_killed_rank_in_place_and_resumes(tmp_path):
                                  "checkpoint.resume": "auto", "train.log_interval": 1})
     log = tmp_path / "torchrun.log"
     proc = _torchrun(tmp_path, ov, log, restarts=1)
-    _wait(lambda: complete_checkpoints(tmp_path / "ckpt"), proc, log, "a first checkpoint")
+    wait_for(lambda: complete_checkpoints(tmp_path / "ckpt"), proc, log, "a first checkpoint")
     os.kill(_workers(proc)[1], signal.SIGKILL)  # torchrun restarts the whole worker group
-    _wait(lambda: "resumed from" in log.read_text() and
+    wait_for(lambda: "resumed from" in log.read_text() and
           "step" in log.read_text().split("resumed from")[-1], proc, log, "a resumed training step")
     for pid in _workers(proc):
         os.kill(pid, signal.SIGTERM)

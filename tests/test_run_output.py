@@ -6,12 +6,11 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from seqpar.checkpoint import complete_checkpoints
 
-from run_helpers import run_overrides
+from run_helpers import run_overrides, wait_for
 
 TINY = {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 16, "model.heads": 2, "model.layers": 1,
         "train.micro_batch": 2, "train.eval_interval": 0, "train.log_interval": 1, "train.warmup_steps": 1}
@@ -68,15 +67,6 @@ def test_two_compiled_ranks_print_no_warnings(tmp_path):
     assert _warning_lines(p.stdout + p.stderr) == [], p.stdout + p.stderr
 
 
-def _wait(cond, proc: subprocess.Popen, log: Path, what: str, timeout: float = 300) -> None:
-    t0 = time.time()
-    while not cond():
-        if proc.poll() is not None or time.time() - t0 > timeout:
-            proc.kill()
-            raise AssertionError(f"{what} did not happen:\n{log.read_text()[-4000:]}")
-        time.sleep(0.2)
-
-
 def test_a_restart_says_which_rank_died_then_where_it_resumes(tmp_path):
     """--max-restarts 1, one rank killed after its first checkpoint: the launcher names the rank and
     its signal and says the ranks restart (1 of 1), before the restarted run's resume line."""
@@ -87,10 +77,10 @@ def test_a_restart_says_which_rank_died_then_where_it_resumes(tmp_path):
         proc = subprocess.Popen(SEQPAR + ["--nproc-per-node", "1", "--max-restarts", "1"] + ov, cwd=tmp_path,
                                 env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        _wait(lambda: complete_checkpoints(tmp_path / "ckpt"), proc, log, "a first checkpoint")
+        wait_for(lambda: complete_checkpoints(tmp_path / "ckpt"), proc, log, "a first checkpoint")
         rank = int(subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()[0])
         os.kill(rank, signal.SIGKILL)
-        _wait(lambda: "resumed from" in log.read_text(), proc, log, "a resume")
+        wait_for(lambda: "resumed from" in log.read_text(), proc, log, "a resume")
         proc.send_signal(signal.SIGTERM)  # forwarded to the rank: it saves and stops, and so does the launcher
         assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
     finally:
