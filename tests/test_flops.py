@@ -83,8 +83,8 @@ def _trainer_step_flops(cfg, micro_batch: int, accum: int, dp: int, tp: int) -> 
     from types import SimpleNamespace
 
     from seqpar.train.trainer import Trainer
-    fake = SimpleNamespace(tc=SimpleNamespace(micro_batch=micro_batch), mc=cfg, accum=accum, dp=dp,
-                           mesh=SimpleNamespace(tp_size=tp, world_size=tp * dp))
+    run = SimpleNamespace(cfg=SimpleNamespace(model=cfg), global_batch=micro_batch * accum * dp)
+    fake = SimpleNamespace(run=run, mesh=SimpleNamespace(tp_size=tp, world_size=tp * dp))
     return Trainer._throughput(fake).flops_per_step
 
 
