@@ -110,8 +110,9 @@ def check_metadata(metadata: Any, folder: str | Path) -> None:
         raise CheckpointCorrupt(f"{where}: state_dict_metadata and storage_data must be dicts")
     for key, entry in entries.items():
         if isinstance(entry, BytesStorageMetadata):
-            raise UnsafeCheckpoint(f"{where}: entry {capped_repr(key)} is stored as bytes; seqpar checkpoints hold only "
-                                   f"tensors, and DCP would unpickle bytes entries, running any code they carry")
+            raise UnsafeCheckpoint(f"{where}: entry {capped_repr(key)} is stored as bytes; seqpar checkpoints "
+                                   f"hold only tensors, and DCP would unpickle bytes entries, running any code "
+                                   f"they carry")
         if type(entry) is not TensorStorageMetadata or type(entry.properties) is not TensorProperties:
             raise CheckpointCorrupt(f"{where}: entry {capped_repr(key)} is a {type(entry).__name__}, not a tensor")
     root = folder.resolve()

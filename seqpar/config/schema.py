@@ -30,15 +30,16 @@ _RULES = {
 
 
 def check_number(key: str, value: float, rule: str = "finite") -> None:
-    """Raise :class:`~seqpar.errors.UserError` naming ``key`` and ``value`` unless ``value`` is finite and obeys ``rule``
-    (one of ``finite``, ``>= 0``, ``> 0``, ``in [0, 1)``, ``in (0, 1)``)."""
+    """Raise :class:`~seqpar.errors.UserError` naming ``key`` and ``value`` unless ``value`` is
+    finite and obeys ``rule`` (one of ``finite``, ``>= 0``, ``> 0``, ``in [0, 1)``, ``in (0, 1)``)."""
     if not (math.isfinite(value) and _RULES[rule](value)):
         what = "a finite number" + ("" if rule == "finite" else f" {rule}")
         raise UserError(f"{key} must be {what}, got {value!r}")
 
 
 def check_at_least(key: str, value: int | None, low: int) -> None:
-    """Raise :class:`~seqpar.errors.UserError` naming ``key`` and ``value`` if ``value`` (``None`` passes) is below ``low``."""
+    """Raise :class:`~seqpar.errors.UserError` naming ``key`` and ``value`` if ``value`` (``None``
+    passes) is below ``low``."""
     if value is not None and value < low:
         raise UserError(f"{key} must be >= {low}, got {value!r}")
 
