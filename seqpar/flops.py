@@ -17,6 +17,7 @@ import math
 import os
 from typing import Literal
 
+from .errors import UserError
 from .model.config import GPTConfig
 from .model.modes import RECOMPUTE_MODES, RecomputeMode as Recompute
 from .recompute import full_recompute_plan
@@ -199,7 +200,7 @@ def peak_flops(device_name: str) -> float | None:
         except ValueError:
             value = float("nan")
         if not math.isfinite(value) or value <= 0:
-            raise ValueError(f"{PEAK_ENV} must be a positive number of TFLOP/s, got {override!r}")
+            raise UserError(f"{PEAK_ENV} must be a positive number of TFLOP/s, got {override!r}")
         return value * 1e12
     name = device_name.lower()
     for key, peak in PEAK_BF16_FLOPS:

@@ -37,7 +37,7 @@ def _assert_one_line(proc: subprocess.CompletedProcess, *needles: str) -> None:
         assert needle in proc.stderr, proc.stderr[-3000:]
 
 
-def test_user_errors_are_classified_by_who_raised_them():
+def test_user_errors_are_decided_by_their_type():
     assert is_user_error(UserError("x"))
     try:
         int("nope")  # raised here, outside seqpar: internal
@@ -47,10 +47,66 @@ def test_user_errors_are_classified_by_who_raised_them():
         np.zeros(3).reshape(7)  # raised inside numpy: internal
     except ValueError as e:
         assert not is_user_error(e)
-    from seqpar.config import load_run_config
-    with pytest.raises(ValueError) as info:
+    from seqpar.config import ConfigError, load_run_config
+    with pytest.raises(ConfigError) as info:
         load_run_config(None, ["train.stepz=3"])
     assert is_user_error(info.value)
+    # a ValueError raised inside seqpar that is not about the input is a bug (before: any ValueError
+    # whose innermost frame was seqpar's counted as bad input)
+    from seqpar.recompute import full_recompute_plan
+    with pytest.raises(ValueError) as info:
+        full_recompute_plan(2, "uniform", 0)
+    assert not is_user_error(info.value)
+    with pytest.raises(OSError) as info:
+        open(Path(__file__).parent / "no-such-file")  # an OSError is internal unless wrapped at its boundary
+    assert not is_user_error(info.value)
+
+
+# run through the seqpar command with one of seqpar's own functions broken: a ValueError raised
+# inside seqpar (an internal invariant, not the input) from the point where the command calls it
+BROKEN = """
+import sys
+from seqpar.recompute import full_recompute_plan
+def broken(*args, **kwargs):
+    return full_recompute_plan(2, "uniform", 0)  # ValueError("recompute_num_layers must be >= 1, got 0")
+import {module} as target
+target.{name} = broken
+from seqpar.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_internal_error_keeps_its_traceback(tmp_path):
+    """`seqpar memory` and `seqpar train` (one process) meeting a ValueError that is a bug: its
+    traceback, exit 1 -- not a one-line user error with exit 2."""
+    cases = [("seqpar.plan.memory_cli", "state_table", ["memory", "tiny-cpu", "--dp", "2"]),
+             ("seqpar.train.trainer", "check_memory", ["train", *TINY, f"checkpoint.dir={tmp_path / 'c'}",
+                                                        f"out_dir={tmp_path / 'o'}"])]
+    for module, name, args in cases:
+        script = BROKEN.format(module=module, name=name)
+        p = _run([sys.executable, "-c", script, *args], tmp_path)
+        assert p.returncode == 1, (args[0], p.returncode, p.stderr[-3000:])
+        assert "Traceback (most recent call last)" in p.stderr, p.stderr[-3000:]
+        assert "ValueError: recompute_num_layers must be >= 1, got 0" in p.stderr, p.stderr[-3000:]
+        assert f"seqpar {args[0]}: recompute_num_layers" not in p.stderr, p.stderr[-3000:]
+
+
+def test_memory_and_plan_refusals_go_through_the_one_error_path(capsys):
+    """`seqpar memory` and `seqpar plan` raise UserError (before: they printed their own line and
+    returned 2, outside the entry point's error path); the seqpar command prints it as one line."""
+    from seqpar import cli
+    from seqpar.plan import cli as plan_cli, memory_cli
+    with pytest.raises(UserError, match="--micro-batch must be a positive integer, got 0"):
+        memory_cli.main(["tiny-cpu", "--micro-batch", "0"])
+    with pytest.raises(UserError, match="--gpus=0"):
+        plan_cli.main(["tiny-cpu", "--gpus", "0", "--gpu", "a100-80gb"])
+    capsys.readouterr()
+    assert cli.main(["memory", "tiny-cpu", "--micro-batch", "0"]) == 2
+    assert cli.main(["memory", "tiny-cpu", "--tp", "3"]) == 2  # a layout the model cannot split
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "seqpar memory: --micro-batch must be a positive integer, got 0", err
+    assert err[1].startswith("seqpar memory: ") and "tensor-parallel size t=3" in err[1], err
+    assert len(err) == 2, err
 
 
 def test_train_single_process_and_launcher_print_one_line(tmp_path):

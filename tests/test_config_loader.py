@@ -9,6 +9,7 @@ import pytest
 
 from seqpar.config import (ConfigError, dump, dump_yaml, from_dict, load, load_run_config, load_sections, merge,
                            parse_overrides, resolve_config, shipped_configs, shipped_dir, to_dict)
+from seqpar.errors import UserError
 
 
 @dataclass
@@ -21,7 +22,9 @@ class Model:
 
     def validate(self) -> None:
         if self.hidden % 2:
-            raise ValueError(f"model.hidden must be even, got {self.hidden}")
+            raise UserError(f"model.hidden must be even, got {self.hidden}")
+        if self.layers == 13:  # a bug inside validate(), not bad input
+            raise ValueError("internal")
 
 
 @dataclass
@@ -99,8 +102,12 @@ def test_fixed_tuple_and_dict():
 
 
 def test_validate_runs_after_construction():
-    with pytest.raises(ValueError, match="model.hidden must be even, got 63"):
+    with pytest.raises(ConfigError, match="model.hidden must be even, got 63"):
         from_dict(Config, {"name": "x", "model": {"hidden": 63}})
+    # only bad input (a UserError) becomes a ConfigError; any other error of validate() is a bug
+    with pytest.raises(ValueError, match="internal") as info:
+        from_dict(Config, {"name": "x", "model": {"layers": 13}})
+    assert not isinstance(info.value, UserError)
 
 
 def test_where_prefix_in_errors():

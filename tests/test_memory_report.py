@@ -4,8 +4,13 @@ import re
 import pytest
 import yaml
 
+from seqpar import cli
 from seqpar.memory.formulas import bytes_per_layer
-from seqpar.plan.memory_cli import main
+
+
+def main(argv: list[str]) -> int:
+    """``seqpar memory ARGV`` through the seqpar command: bad input is one line and exit 2."""
+    return cli.main(["memory", *argv])
 
 PAPER_PER_GPU = {"22B": ("59.25", "9.56"), "175B": ("66.84", "12.35"), "530B": ("114.02", "23.08"),
                  "1T": ("131.25", "26.56")}

@@ -93,7 +93,7 @@ def test_a_layout_that_does_not_fit_says_which_term_and_by_how_much(capsys):
     (["paper/175b", "--gpus", "7", "--gpu", "a100-80gb"], "no layout of 175B fits"),
 ])
 def test_errors_name_the_offending_values(capsys, argv, message):
-    assert plan_cli.main(argv) == 2
+    assert cli.main(["plan", *argv]) == 2
     assert re.search(message, capsys.readouterr().err)
 
 
@@ -114,7 +114,7 @@ def test_png_plots_the_top_layouts(tmp_path, capsys):
 def test_png_without_matplotlib_is_a_clear_error(monkeypatch, capsys, tmp_path):
     real = plan_cli.importlib.util.find_spec
     monkeypatch.setattr(plan_cli.importlib.util, "find_spec", lambda n: None if n == "matplotlib" else real(n))
-    assert plan_cli.main(["paper/22b", "--gpus", "8", "--gpu", "h200", "--png", str(tmp_path / "x.png")]) == 2
+    assert cli.main(["plan", "paper/22b", "--gpus", "8", "--gpu", "h200", "--png", str(tmp_path / "x.png")]) == 2
     assert "--png needs matplotlib" in capsys.readouterr().err
 
 

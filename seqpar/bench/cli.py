@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from .. import flops
+from ..errors import file_error
 from ..model.modes import RECOMPUTE_MODES
 from ..memory.units import human
 from .peer import BenchShape
@@ -145,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     shape = BenchShape(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden, heads=args.heads,
                        layers=args.layers, micro_batch=args.micro_batch)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # --out names a file, or a folder this user may not write
+        raise file_error(f"--out {str(out)!r}", e) from e
     machine = f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, CPU gloo, fp32, 1 thread/rank"
     print(f"seqpar bench: t={args.tp}, sequence parallel, {shape}\nmachine: {machine}", flush=True)
     data = run_spawned(shape, args.systems, args.recompute, tp=args.tp, repeats=args.repeats, warmup=args.warmup)

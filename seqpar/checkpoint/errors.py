@@ -1,7 +1,8 @@
 """What goes wrong with a checkpoint, as exceptions a command line prints in one line.
 
-``CheckpointError`` (a ``ValueError``) is the base; :class:`CheckpointCorrupt` means a file does
-not hold what was written (an automatic resume falls back to the previous checkpoint),
+``CheckpointError`` (a :class:`~seqpar.errors.UserError`, so a ``ValueError``) is the base;
+:class:`CheckpointCorrupt` means a file does not hold what was written (an automatic resume falls
+back to the previous checkpoint),
 :class:`CheckpointMismatch` that the checkpoint is intact but not this run's (never a fallback),
 :class:`CheckpointWriteError` that a save could not write a file (a full disk, most often).
 """
@@ -12,8 +13,10 @@ import os
 import pickle
 from pathlib import Path
 
+from ..errors import UserError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(UserError):
     """A checkpoint that cannot be saved or used; the message names the folder or file."""
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .errors import CheckpointInUse, CheckpointWriteError, write_error
+from .errors import CheckpointError, CheckpointInUse, CheckpointWriteError, write_error
 from .integrity import ALGORITHM, file_checksum
 from .safe_metadata import capped_repr
 
@@ -232,8 +232,11 @@ class CheckpointDir:
 
     def lock(self) -> None:
         """Take the exclusive lock or raise :class:`CheckpointInUse` naming the holder (host, pid, since)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        f = open(self.root / LOCK, "a+")
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            f = open(self.root / LOCK, "a+")
+        except OSError as e:  # checkpoint.dir names a file, or a folder this user may not write
+            raise CheckpointError(f"cannot use checkpoint dir {self.root}: {e.strerror or e}") from e
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

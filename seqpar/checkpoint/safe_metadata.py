@@ -83,43 +83,45 @@ class _MetadataUnpickler(pickle._Unpickler):  # the Python unpickler, whose BUIL
 
 def _check_storage(info: Any, root: Path, where: str) -> None:
     if type(info) is not _StorageInfo:
-        raise ValueError(f"{where}: storage entry {capped_repr(info)} is not DCP storage info")
+        raise CheckpointCorrupt(f"{where}: storage entry {capped_repr(info)} is not DCP storage info")
     rel = info.relative_path
     parts = PurePosixPath(rel).parts if isinstance(rel, str) else ()
     if (not parts or os.path.isabs(rel) or ".." in parts or
             not (root / rel).resolve().is_relative_to(root)):
-        raise ValueError(f"{where}: storage path {capped_repr(rel)} lies outside the checkpoint folder")
+        raise CheckpointCorrupt(f"{where}: storage path {capped_repr(rel)} lies outside the checkpoint folder")
     if not all(type(v) is int and v >= 0 for v in (info.offset, info.length)):
-        raise ValueError(f"{where}: storage range {capped_repr((info.offset, info.length))} of {rel!r} is not a "
-                         f"pair of non-negative integers")
+        raise CheckpointCorrupt(f"{where}: storage range {capped_repr((info.offset, info.length))} of {rel!r} is not a "
+                                f"pair of non-negative integers")
     if getattr(info, "transform_descriptors", None):
-        raise ValueError(f"{where}: {rel!r} names stream transforms {capped_repr(info.transform_descriptors)}, "
-                         f"which seqpar never writes")
+        raise CheckpointCorrupt(f"{where}: {rel!r} names stream transforms {capped_repr(info.transform_descriptors)}, "
+                                f"which seqpar never writes")
 
 
 def check_metadata(metadata: Any, folder: str | Path) -> None:
-    """Raise ``ValueError`` unless ``metadata`` is DCP metadata seqpar could have written into
-    ``folder``: tensor entries only, storage paths inside ``folder``, no stream transforms."""
+    """Raise :class:`CheckpointCorrupt` (:class:`UnsafeCheckpoint` for bytes entries) unless
+    ``metadata`` is DCP metadata seqpar could have written into ``folder``: tensor entries only,
+    storage paths inside ``folder``, no stream transforms."""
     folder = Path(folder)
     where = str(folder / ".metadata")
     if type(metadata) is not Metadata:
-        raise ValueError(f"{where} holds a {type(metadata).__name__}, not DCP metadata")
+        raise CheckpointCorrupt(f"{where} holds a {type(metadata).__name__}, not DCP metadata")
     entries, storage = metadata.state_dict_metadata, metadata.storage_data
     if type(entries) is not dict or type(storage) is not dict:
-        raise ValueError(f"{where}: state_dict_metadata and storage_data must be dicts")
+        raise CheckpointCorrupt(f"{where}: state_dict_metadata and storage_data must be dicts")
     for key, entry in entries.items():
         if isinstance(entry, BytesStorageMetadata):
-            raise ValueError(f"{where}: entry {capped_repr(key)} is stored as bytes; seqpar checkpoints hold only "
-                             f"tensors, and DCP would unpickle bytes entries, running any code they carry")
+            raise UnsafeCheckpoint(f"{where}: entry {capped_repr(key)} is stored as bytes; seqpar checkpoints "
+                                   f"hold only tensors, and DCP would unpickle bytes entries, running any code "
+                                   f"they carry")
         if type(entry) is not TensorStorageMetadata or type(entry.properties) is not TensorProperties:
-            raise ValueError(f"{where}: entry {capped_repr(key)} is a {type(entry).__name__}, not a tensor")
+            raise CheckpointCorrupt(f"{where}: entry {capped_repr(key)} is a {type(entry).__name__}, not a tensor")
     root = folder.resolve()
     for index, info in storage.items():
         if type(index) is not MetadataIndex:
-            raise ValueError(f"{where}: storage key {capped_repr(index)} is not a DCP metadata index")
+            raise CheckpointCorrupt(f"{where}: storage key {capped_repr(index)} is not a DCP metadata index")
         _check_storage(info, root, where)
     if metadata.storage_meta is not None and type(metadata.storage_meta) is not StorageMeta:
-        raise ValueError(f"{where}: storage_meta is a {type(metadata.storage_meta).__name__}")
+        raise CheckpointCorrupt(f"{where}: storage_meta is a {type(metadata.storage_meta).__name__}")
 
 
 class SafeReader(FileSystemReader):
@@ -136,10 +138,7 @@ class SafeReader(FileSystemReader):
             raise
         except Exception as e:  # a damaged pickle fails in many ways; none runs code (find_class above)
             raise CheckpointCorrupt(f"checkpoint {path} is unreadable ({type(e).__name__})") from None
-        try:
-            check_metadata(metadata, self.path)
-        except ValueError as e:
-            raise CheckpointCorrupt(str(e)) from None
+        check_metadata(metadata, self.path)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -152,5 +151,5 @@ class SafeReader(FileSystemReader):
     def read_data(self, plan, planner):
         unasked = [item.dest_index.fqn for item in plan.items if item.type == LoadItemType.BYTE_IO]
         if unasked:
-            raise ValueError(f"checkpoint {self.path}: refusing to read bytes entries {capped_repr(unasked)}")
+            raise UnsafeCheckpoint(f"checkpoint {self.path}: refusing to read bytes entries {capped_repr(unasked)}")
         return super().read_data(plan, planner)

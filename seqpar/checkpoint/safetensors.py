@@ -11,6 +11,9 @@ from typing import Iterable
 
 import torch
 
+from ..errors import file_error
+from .errors import CheckpointCorrupt
+
 _ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}
 
 
@@ -42,9 +45,13 @@ def write_safetensors(path: Path, header: list[tuple[str, tuple[int, ...], torch
 
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file (header JSON, then raw little-endian data; nothing in it
-    runs code). ``ValueError`` naming the file when the header does not describe its bytes."""
+    runs code). :class:`CheckpointCorrupt` naming the file when the header does not describe its
+    bytes; a file that cannot be read is a :class:`~seqpar.errors.UserError` naming it."""
     by_name = {v: k for k, v in _ST_DTYPES.items()}
-    data = Path(path).read_bytes()
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise file_error(f"safetensors file {path}", e) from e
     try:
         (n,) = struct.unpack("<Q", data[:8])
         meta = json.loads(data[8:8 + n])
@@ -60,4 +67,4 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
             out[name] = torch.frombuffer(raw, dtype=dtype).reshape(shape) if raw else torch.empty(shape, dtype=dtype)
         return out
     except (KeyError, TypeError, ValueError, struct.error) as e:
-        raise ValueError(f"{path} is not a readable safetensors file ({e})") from None
+        raise CheckpointCorrupt(f"{path} is not a readable safetensors file ({e})") from None

@@ -1,63 +1,33 @@
 """One error path for every ``seqpar`` entry point: a user-input error is one line and exit code 2.
 
-What counts as user input: :class:`UserError` anywhere, and a ``ValueError``, ``OSError`` or
-``pickle.UnpicklingError`` (with their subclasses: the config's ``ConfigError``, the checkpoint
-package's errors, ``FileNotFoundError``, ``FileExistsError``, ...) raised by seqpar's own code, i.e.
-where the innermost frame outside the standard library is in the ``seqpar`` package. The same
-types raised inside torch, numpy or another library are internal failures and keep their
-traceback, like every other exception.
+User input is decided by the exception's type: a :class:`~seqpar.errors.UserError` (the config's
+``ConfigError``, the data's ``DataError``, the checkpoint package's errors, ``NonFiniteError``, ...)
+wherever it is raised. Every other exception, a ``ValueError`` or ``OSError`` raised by seqpar's
+own code included, is a bug or a failure of the machine and keeps its traceback. Code that meets
+bad input raises a ``UserError`` there, where the value or file name is the user's
+(:mod:`seqpar.errors`).
 """
 from __future__ import annotations
 
 import os
-import pickle
 import sys
-import sysconfig
-import traceback
 from pathlib import Path
+
+from ..errors import UserError
 
 EXIT_USER_ERROR = 2    # bad input: config, data, checkpoint, command-line arguments
 EXIT_INTERRUPTED = 130  # aborted by a second Ctrl-C (128 + SIGINT)
 USER_ERROR_KEY = "seqpar_user_error"  # in torchrun's error file: the message, without program and rank
 
-_SEQPAR = str(Path(__file__).resolve().parents[1]) + os.sep
-_STDLIB = tuple(str(Path(sysconfig.get_paths()[k]).resolve()) + os.sep for k in ("stdlib", "platstdlib"))
-_USER_TYPES = (ValueError, OSError, pickle.UnpicklingError)
-
-
-class UserError(ValueError):
-    """Bad input named by its value, key or file; printed as one line by the entry points."""
-
-
-def _raised_by_seqpar(exc: BaseException) -> bool:
-    """Whether the innermost frame of ``exc``'s traceback outside the standard library is seqpar's."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in reversed(frames):
-        if frame.filename.startswith("<frozen "):
-            continue  # the standard library's frozen modules
-        name = str(Path(frame.filename).resolve())
-        if name.startswith(_SEQPAR):
-            return True
-        if not name.startswith(_STDLIB) or "site-packages" in name:
-            return False
-    return False
-
 
 def is_user_error(exc: BaseException) -> bool:
-    """True for bad input (see the module docstring): print one line, exit 2."""
-    if isinstance(exc, UserError):
-        return True
-    return isinstance(exc, _USER_TYPES) and _raised_by_seqpar(exc)
+    """True for bad input, a :class:`UserError`: print one line, exit 2."""
+    return isinstance(exc, UserError)
 
 
 def one_line(exc: BaseException) -> str:
-    """The message of ``exc`` on one line (an ``OSError`` without its own text names its file)."""
-    text = str(exc)
-    if isinstance(exc, OSError) and exc.filename is not None and str(exc.filename) not in text:
-        text = f"{text}: {exc.filename}"
-    if not isinstance(exc, (UserError, ValueError)) or not text:
-        text = f"{type(exc).__name__}: {text}" if text else type(exc).__name__
-    return " ".join(text.split())
+    """The message of ``exc`` on one line (its type's name when it has none)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def rank_prefix() -> str:
@@ -96,14 +66,13 @@ def report_user_error(prog: str, exc: BaseException, *, quiet: bool = False) -> 
 
 
 def run_entry_point(prog: str, main, argv: list[str] | None = None, *, quiet: bool = False) -> int:
-    """``main(argv)`` with the one error path: user errors -> one line, exit 2; a KeyboardInterrupt
-    that got through (a second Ctrl-C) -> one line, exit 130; anything else propagates."""
+    """``main(argv)`` with the one error path: a :class:`UserError` -> one line, exit 2; a
+    KeyboardInterrupt that got through (a second Ctrl-C) -> one line, exit 130; anything else
+    propagates with its traceback."""
     try:
         return int(main(argv) or 0)
     except KeyboardInterrupt:
         print(f"{prog}: {rank_prefix()}interrupted", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
-    except BaseException as exc:
-        if not is_user_error(exc):
-            raise
+    except UserError as exc:
         return report_user_error(prog, exc, quiet=quiet)

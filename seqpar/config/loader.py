@@ -5,7 +5,8 @@ key, a value of the wrong type or a missing required field raises :class:`Config
 full dotted key (``train.lr``) and the offending value, printed at most ~120 characters long (a
 YAML alias bomb must not build a megabyte message). After a dataclass is built, its ``validate()``
 method runs if it has one, so range and cross-field checks live next to the fields; a
-``ValueError`` it raises becomes a :class:`ConfigError`, and a message that starts with the class
+:class:`~seqpar.errors.UserError` it raises becomes a :class:`ConfigError` (any other exception
+is a bug and propagates as it is), and a message that starts with the class
 name (``GPTConfig.init_std ...``) names the dotted key instead (``model.init_std ...``).
 
 Files and ``key=value`` overrides are read with the YAML 1.2 core schema (:mod:`.yaml12`):
@@ -26,12 +27,13 @@ from typing import Any, Iterable, Literal, Mapping, TypeVar, Union, get_args, ge
 
 import yaml
 
+from ..errors import MissingFile, UserError, file_error
 from . import yaml12
 
 T = TypeVar("T")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError):
     """A config file or override that does not match the dataclass schema."""
 
 
@@ -89,7 +91,7 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
             raise _fail(key, tp, value)
         key_tp, val_tp = get_args(tp) or (Any, Any)
         return {_convert(key_tp, k, f"{key}.<key>"): _convert(val_tp, v, _join(key, str(k))) for k, v in value.items()}
-    raise ConfigError(f"{key}: unsupported annotation {_type_name(tp)} in config schema")
+    raise TypeError(f"{key}: unsupported annotation {_type_name(tp)} in config schema")  # a bug in a schema
 
 
 def _convert_union(tp: Any, value: Any, key: str) -> Any:
@@ -186,7 +188,7 @@ def from_dict(cls: type[T], data: dict, *, where: str = "") -> T:
 
 
 def _validate(obj: Any, where: str) -> None:
-    """Run ``obj.validate()``; its ``ValueError`` becomes a ConfigError under the dotted key."""
+    """Run ``obj.validate()``; its ``UserError`` becomes a ConfigError under the dotted key."""
     validate = getattr(obj, "validate", None)
     if not callable(validate):
         return
@@ -194,7 +196,7 @@ def _validate(obj: Any, where: str) -> None:
         validate()
     except ConfigError:
         raise
-    except ValueError as err:
+    except UserError as err:
         msg, prefix = str(err), type(obj).__name__ + "."
         if where and msg.startswith(prefix):  # "GPTConfig.init_std must ..." -> "model.init_std must ..."
             msg = f"{where}.{msg[len(prefix):]}"
@@ -267,9 +269,15 @@ def read_yaml(path: str | Path) -> dict:
     """The top-level mapping of YAML file ``path``; an empty file gives ``{}``."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file {str(path)!r} does not exist")
+        raise MissingFile(f"config file {str(path)!r} does not exist")
     try:
-        data = yaml_load(path.read_text())
+        text = path.read_text()
+    except OSError as err:
+        raise file_error(f"config file {str(path)!r}", err) from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    try:
+        data = yaml_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {err}") from None
     if data is None:
@@ -320,7 +328,7 @@ def load_sections(path: str | Path, sections: Mapping[str, type],
     for section, cls in sections.items():
         try:
             out[section] = from_dict(cls, data.get(section), where=section)
-        except ValueError as err:  # ConfigError, or a validate() check
+        except UserError as err:  # ConfigError, or a validate() check
             raise ConfigError(f"{path}: {err}") from None
     return out
 

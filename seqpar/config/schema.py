@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable, Literal
 
 from ..distributed.context import CP_COMMS, CPComm, check_context_layout
+from ..errors import UserError
 from ..model.config import Freezable, GPTConfig
 from ..recompute import compile_unsupported
 from ..model.modes import DATA_PARALLEL_MODES, PRECISION_SETTINGS, DataParallelMode, PrecisionSetting
@@ -29,23 +30,24 @@ _RULES = {
 
 
 def check_number(key: str, value: float, rule: str = "finite") -> None:
-    """Raise ``ValueError`` naming ``key`` and ``value`` unless ``value`` is finite and obeys ``rule``
-    (one of ``finite``, ``>= 0``, ``> 0``, ``in [0, 1)``, ``in (0, 1)``)."""
+    """Raise :class:`~seqpar.errors.UserError` naming ``key`` and ``value`` unless ``value`` is
+    finite and obeys ``rule`` (one of ``finite``, ``>= 0``, ``> 0``, ``in [0, 1)``, ``in (0, 1)``)."""
     if not (math.isfinite(value) and _RULES[rule](value)):
         what = "a finite number" + ("" if rule == "finite" else f" {rule}")
-        raise ValueError(f"{key} must be {what}, got {value!r}")
+        raise UserError(f"{key} must be {what}, got {value!r}")
 
 
 def check_at_least(key: str, value: int | None, low: int) -> None:
-    """Raise ``ValueError`` naming ``key`` and ``value`` if ``value`` (``None`` passes) is below ``low``."""
+    """Raise :class:`~seqpar.errors.UserError` naming ``key`` and ``value`` if ``value`` (``None``
+    passes) is below ``low``."""
     if value is not None and value < low:
-        raise ValueError(f"{key} must be >= {low}, got {value!r}")
+        raise UserError(f"{key} must be >= {low}, got {value!r}")
 
 
 def check_choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    """Raise ``ValueError`` naming ``key`` and ``value`` unless ``value`` is one of ``allowed``."""
+    """Raise :class:`~seqpar.errors.UserError` naming ``key`` and ``value`` unless ``value`` is one of ``allowed``."""
     if value not in allowed:
-        raise ValueError(f"{key} must be one of {list(allowed)}, got {value!r}")
+        raise UserError(f"{key} must be one of {list(allowed)}, got {value!r}")
 
 
 @dataclass
@@ -126,12 +128,12 @@ class DataConfig(Freezable):
         check_at_least("data.eot_id", self.eot_id, 0)
         check_number("data.eval_fraction", self.eval_fraction, "in (0, 1)")
         if self.sources and self.source is not None:
-            raise ValueError(f"set data.source={self.source!r} or data.sources (a blend), not both")
+            raise UserError(f"set data.source={self.source!r} or data.sources (a blend), not both")
         for i, part in enumerate(self.sources):
             check_number(f"data.sources[{i}].weight ({part.source!r})", part.weight, "> 0")
         if self.document_masking:
-            raise ValueError("data.document_masking=true (attention kept inside each document) is not supported "
-                             "yet; sequences are packed across documents, separated by the end-of-text id")
+            raise UserError("data.document_masking=true (attention kept inside each document) is not supported "
+                            "yet; sequences are packed across documents, separated by the end-of-text id")
 
 
 @dataclass
@@ -180,7 +182,7 @@ class TrainConfig(Freezable):
         check_number("train.lr", self.lr, "> 0")
         check_number("train.min_lr", self.min_lr, ">= 0")
         if self.min_lr > self.lr:
-            raise ValueError(f"train.min_lr ({self.min_lr!r}) must be <= train.lr ({self.lr!r})")
+            raise UserError(f"train.min_lr ({self.min_lr!r}) must be <= train.lr ({self.lr!r})")
         for name, rule in (("beta1", "in [0, 1)"), ("beta2", "in [0, 1)"), ("weight_decay", ">= 0"),
                            ("grad_clip", ">= 0")):
             check_number(f"train.{name}", getattr(self, name), rule)
@@ -213,7 +215,7 @@ class CheckpointConfig(Freezable):
         check_at_least("checkpoint.interval", self.interval, 0)
         check_at_least("checkpoint.keep", self.keep, 1)
         if not self.resume.strip():
-            raise ValueError(f"checkpoint.resume must be auto, never or a checkpoint path, got {self.resume!r}")
+            raise UserError(f"checkpoint.resume must be auto, never or a checkpoint path, got {self.resume!r}")
 
 
 @dataclass
@@ -231,16 +233,16 @@ class RunConfig(Freezable):
         for section in (self.parallel, self.data, self.train, self.checkpoint):
             section.validate()
         if self.model.recompute == "auto" and self.train.memory_budget_gib is None:
-            raise ValueError("model.recompute=auto needs train.memory_budget_gib (GiB per GPU the per-layer "
-                             "recompute must fit); set it, or choose model.recompute none|selective|full")
+            raise UserError("model.recompute=auto needs train.memory_budget_gib (GiB per GPU the per-layer "
+                            "recompute must fit); set it, or choose model.recompute none|selective|full")
         self._validate_pipeline()
         self.model.check_parallel(self.parallel.tp)
         self._validate_context()
         if self.train.compile is True and (why := compile_unsupported(self.model, self.parallel.cp)):
-            raise ValueError(f"{why} (train.compile=auto runs such a run eagerly)")
+            raise UserError(f"{why} (train.compile=auto runs such a run eagerly)")
         if self.parallel.tp_overlap and not self.model.sequence_parallel:
-            raise ValueError("parallel.tp_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter "
-                             "with the GEMMs; it needs model.sequence_parallel=true")
+            raise UserError("parallel.tp_overlap=true overlaps sequence parallelism's all-gather and reduce-scatter "
+                            "with the GEMMs; it needs model.sequence_parallel=true")
 
     def _validate_context(self) -> None:
         """Context parallelism: the sequence into 2*cp chunks (over t under SP); what cp does not
@@ -250,32 +252,32 @@ class RunConfig(Freezable):
             return
         try:
             check_context_layout(mc.seq_len, pc.cp, pc.tp, mc.sequence_parallel)
-        except ValueError as e:
-            raise ValueError(f"model.seq_len / parallel.cp: {e}") from None
+        except UserError as e:
+            raise UserError(f"model.seq_len / parallel.cp: {e}") from None
         if mc.attention_dropout > 0:
-            raise ValueError(f"model.attention_dropout={mc.attention_dropout} with parallel.cp={pc.cp} is not "
-                             f"supported yet; set model.attention_dropout=0")
+            raise UserError(f"model.attention_dropout={mc.attention_dropout} with parallel.cp={pc.cp} is not "
+                            f"supported yet; set model.attention_dropout=0")
         if pc.pp > 1 and pc.cp_comm != "allgather":
-            raise ValueError(f"parallel.cp_comm={pc.cp_comm} with parallel.pp={pc.pp} is not supported yet: "
-                             f"pipeline stages exchange K/V by allgather (set parallel.cp_comm=allgather)")
+            raise UserError(f"parallel.cp_comm={pc.cp_comm} with parallel.pp={pc.pp} is not supported yet: "
+                            f"pipeline stages exchange K/V by allgather (set parallel.cp_comm=allgather)")
 
     def _validate_pipeline(self) -> None:
         """Pipeline stages: L divisible into pp x virtual_stages stages, a schedule that fits m."""
         pc, L = self.parallel, self.model.layers
         if pc.pp == 1:
             if pc.virtual_stages != 1:
-                raise ValueError(f"parallel.virtual_stages={pc.virtual_stages} needs parallel.pp > 1 (pp=1)")
+                raise UserError(f"parallel.virtual_stages={pc.virtual_stages} needs parallel.pp > 1 (pp=1)")
             return
         stages = pc.pp * pc.virtual_stages
         if L % stages:
-            raise ValueError(f"model.layers={L} is not divisible into parallel.pp x parallel.virtual_stages = "
-                             f"{pc.pp} x {pc.virtual_stages} = {stages} pipeline stages of equal depth")
+            raise UserError(f"model.layers={L} is not divisible into parallel.pp x parallel.virtual_stages = "
+                            f"{pc.pp} x {pc.virtual_stages} = {stages} pipeline stages of equal depth")
         if pc.pp_schedule in ("1F1B", "GPipe") and pc.virtual_stages != 1:
-            raise ValueError(f"parallel.pp_schedule={pc.pp_schedule} runs one stage per rank; "
-                             f"parallel.virtual_stages={pc.virtual_stages} needs Interleaved1F1B")
+            raise UserError(f"parallel.pp_schedule={pc.pp_schedule} runs one stage per rank; "
+                            f"parallel.virtual_stages={pc.virtual_stages} needs Interleaved1F1B")
         if pc.data_parallel == "fsdp":
-            raise ValueError(f"parallel.data_parallel=fsdp with parallel.pp={pc.pp} is not supported: pipeline "
-                             f"stages reduce their gradients over dp themselves (use ddp, the default with pp > 1)")
+            raise UserError(f"parallel.data_parallel=fsdp with parallel.pp={pc.pp} is not supported: pipeline "
+                            f"stages reduce their gradients over dp themselves (use ddp, the default with pp > 1)")
 
     def accumulation_steps(self, dp: int) -> int:
         """Micro-batches per optimizer step on each rank."""
@@ -283,13 +285,14 @@ class RunConfig(Freezable):
             return 1
         per_step = self.train.micro_batch * dp
         if self.train.global_batch % per_step:
-            raise ValueError(f"train.global_batch ({self.train.global_batch}) must be a multiple of "
-                             f"micro_batch x dp = {self.train.micro_batch} x {dp} = {per_step}")
+            raise UserError(f"train.global_batch ({self.train.global_batch}) must be a multiple of "
+                            f"micro_batch x dp = {self.train.micro_batch} x {dp} = {per_step}")
         return self.train.global_batch // per_step
 
 
 def load_run_config(path: str | Path | None, overrides: Iterable[str] = ()) -> RunConfig:
-    """Load ``path`` with ``key=value`` overrides; raise ``ValueError`` on any bad key/value.
+    """Load ``path`` with ``key=value`` overrides; raise :class:`~seqpar.config.ConfigError` (a
+    :class:`~seqpar.errors.UserError`) on any bad key/value.
 
     ``path`` is a YAML file or the name of a shipped config (``tiny-cpu``, ``paper/175b``; see
     :func:`~seqpar.config.shipped.resolve_config`); ``None`` means the built-in defaults.

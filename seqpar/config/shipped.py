@@ -8,6 +8,8 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path, PurePosixPath
 
+from ..errors import MissingFile
+
 SUFFIXES = (".yaml", ".yml")
 
 
@@ -40,7 +42,8 @@ def _shipped_name(path: str) -> str | None:
 
 
 def resolve_config(path: str | Path) -> Path:
-    """An existing file as given; otherwise the shipped config it names; otherwise ``FileNotFoundError``.
+    """An existing file as given; otherwise the shipped config it names; otherwise
+    :class:`~seqpar.errors.MissingFile` (a ``FileNotFoundError``).
 
     ``resolve_config("tiny-cpu")`` and ``resolve_config("configs/paper/175b.yaml")`` (from any
     working directory) give the packaged files. The error lists the shipped names.
@@ -51,5 +54,5 @@ def resolve_config(path: str | Path) -> Path:
     names = shipped_configs()
     if name in names:
         return shipped_dir() / f"{name}.yaml"
-    raise FileNotFoundError(f"config {str(path)!r} is neither an existing file nor a shipped config; "
-                            f"shipped configs: {', '.join(names)}")
+    raise MissingFile(f"config {str(path)!r} is neither an existing file nor a shipped config; "
+                      f"shipped configs: {', '.join(names)}")

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .errors import DataError
+
 Batch = tuple[torch.Tensor, torch.Tensor]  # (inputs, labels), int64 [micro_batch, seq_len]
 
 
@@ -29,7 +31,7 @@ def _check_split(tokens: np.ndarray, seq_len: int, micro_batch: int, dp_rank: in
                          f"seq_len={seq_len} micro_batch={micro_batch} accum={accum} dp_rank={dp_rank} "
                          f"dp_size={dp_size}")
     if len(tokens) < seq_len + 1:
-        raise ValueError(f"{what}: {len(tokens)} tokens are fewer than seq_len + 1 = {seq_len + 1}")
+        raise DataError(f"{what}: {len(tokens)} tokens are fewer than seq_len + 1 = {seq_len + 1}")
 
 
 def _slice(micro: int, dp_rank: int, dp_size: int, micro_batch: int) -> slice:
@@ -87,7 +89,7 @@ class TokenBatches:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("seed") != self.seed:
-            raise ValueError(f"TokenBatches: checkpoint seed {state.get('seed')!r} differs from seed {self.seed}")
+            raise DataError(f"TokenBatches: checkpoint seed {state.get('seed')!r} differs from seed {self.seed}")
         self.step = int(state["step"])
 
 

@@ -1,9 +1,12 @@
-"""The data package's input errors: ``ValueError`` subclasses with one-line messages naming the
-file or config key and the offending value, raised on every rank before any collective."""
+"""The data package's input errors: :class:`~seqpar.errors.UserError` subclasses with one-line
+messages naming the file or config key and the offending value, raised on every rank before any
+collective."""
 from __future__ import annotations
 
+from ..errors import UserError
 
-class DataError(ValueError):
+
+class DataError(UserError):
     """Bad training data or data configuration (a missing source, a damaged shard, a bad weight)."""
 
     def __init__(self, message: str):

@@ -57,15 +57,28 @@ def load_corpus(cfg: RunConfig, log: Callable[[str], None]) -> Corpus:
     if tok is None and len(texts) > 1:
         raise DataError(f"data.sources: the text sources {texts} need one shared tokenizer (each would train its "
                         f"own BPE); set data.tokenizer")
-    parts = [prepare_corpus(s, vocab_size=mc.vocab_size, cache_dir=dc.cache_dir, max_bytes=dc.max_bytes, log=log,
-                            exclude=(cfg.out_dir, cfg.checkpoint.dir), tokenizer=tok, eot_id=eot,
-                            text_field=dc.text_field, workers=dc.workers,
-                            lock_timeout_s=cfg.parallel.timeout_minutes * 60) for s in sources]
+    parts = [_prepare(cfg, s, tok, eot, log) for s in sources]
     for s, corpus in zip(sources, parts):
         if corpus.vocab_size > mc.vocab_size:
             raise DataError(f"data.source={s!r} needs vocab_size >= {corpus.vocab_size}, model.vocab_size is "
                             f"{mc.vocab_size}")
     return parts[0] if not dc.sources else _blend(cfg, parts)
+
+
+def _prepare(cfg: RunConfig, source: str | None, tok: Tokenizer | None, eot: int | None,
+             log: Callable[[str], None]) -> Corpus:
+    """:func:`prepare_corpus` of one source. An ``OSError`` naming a file is met reading the
+    user's source or writing the cache (``data.cache_dir``): a :class:`DataError` naming both."""
+    dc = cfg.data
+    try:
+        return prepare_corpus(source, vocab_size=cfg.model.vocab_size, cache_dir=dc.cache_dir, max_bytes=dc.max_bytes,
+                              log=log, exclude=(cfg.out_dir, cfg.checkpoint.dir), tokenizer=tok, eot_id=eot,
+                              text_field=dc.text_field, workers=dc.workers,
+                              lock_timeout_s=cfg.parallel.timeout_minutes * 60)
+    except OSError as e:
+        if isinstance(e, DataError) or e.filename is None:
+            raise
+        raise DataError(f"data.source={source!r}: {e.filename}: {e.strerror or e}") from e
 
 
 def _blend(cfg: RunConfig, parts: list[Corpus]) -> Corpus:

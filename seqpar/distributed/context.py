@@ -19,6 +19,7 @@ from typing import Literal, get_args
 import torch
 import torch.distributed as dist
 
+from ..errors import UserError
 from .collectives import ProcessGroup, _record, group_rank, group_size
 
 CPComm = Literal["allgather", "ring"]
@@ -26,18 +27,18 @@ CP_COMMS: tuple[CPComm, ...] = get_args(CPComm)
 
 
 def check_context_layout(seq: int, cp: int, t: int = 1, sequence_parallel: bool = False) -> None:
-    """Raise ``ValueError`` naming the values unless ``seq`` splits into ``2*cp`` equal chunks
-    (and, under SP, each rank's ``seq/cp`` tokens split over ``t``). Pure arithmetic."""
+    """Raise :class:`~seqpar.errors.UserError` naming the values unless ``seq`` splits into ``2*cp``
+    equal chunks (and, under SP, each rank's ``seq/cp`` tokens split over ``t``). Pure arithmetic."""
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-        raise ValueError(f"cp must be a positive integer, got cp={cp!r}")
+        raise UserError(f"cp must be a positive integer, got cp={cp!r}")
     if cp == 1:
         return
     if seq % (2 * cp):
-        raise ValueError(f"sequence length {seq} is not divisible by 2 x cp = {2 * cp} (context parallelism cuts "
-                         f"each sequence into 2*cp chunks for the causal load balance)")
+        raise UserError(f"sequence length {seq} is not divisible by 2 x cp = {2 * cp} (context parallelism cuts "
+                        f"each sequence into 2*cp chunks for the causal load balance)")
     if sequence_parallel and (seq // cp) % t:
-        raise ValueError(f"sequence length {seq} / cp={cp} = {seq // cp} tokens per CP rank is not divisible by "
-                         f"t={t} (sequence parallelism shards each CP rank's tokens over TP)")
+        raise UserError(f"sequence length {seq} / cp={cp} = {seq // cp} tokens per CP rank is not divisible by "
+                        f"t={t} (sequence parallelism shards each CP rank's tokens over TP)")
 
 
 def context_chunks(cp_rank: int, cp: int) -> tuple[int, int]:

@@ -16,6 +16,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..errors import UserError
+
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
@@ -113,25 +115,25 @@ def validate_layout(tp: int, dp: int | None, world_size: int, pp: int = 1, cp: i
     """
     if cp != 1:
         if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
-            raise ValueError(f"cp must be a positive integer, got cp={cp!r}")
+            raise UserError(f"cp must be a positive integer, got cp={cp!r}")
         return _validate_with_cp(tp, dp, world_size, pp, cp)
     for name, value in (("tp", tp), ("pp", pp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
+            raise UserError(f"{name} must be a positive integer, got {name}={value!r}")
     if dp is None:
         if world_size % (tp * pp) != 0:
             what = f"tp={tp}" if pp == 1 else f"pp x tp = {pp} x {tp} = {pp * tp}"
-            raise ValueError(f"world size {world_size} is not divisible by {what}; "
-                             f"{'pp * ' if pp > 1 else ''}dp * tp must equal the world size")
+            raise UserError(f"world size {world_size} is not divisible by {what}; "
+                            f"{'pp * ' if pp > 1 else ''}dp * tp must equal the world size")
         return world_size // (tp * pp)
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
-        raise ValueError(f"dp must be a positive integer, got dp={dp!r}")
+        raise UserError(f"dp must be a positive integer, got dp={dp!r}")
     if pp * dp * tp != world_size:
         if pp == 1:
-            raise ValueError(f"dp * tp must equal the world size: dp={dp} x tp={tp} = {dp * tp}, "
-                             f"world size = {world_size}")
-        raise ValueError(f"pp * dp * tp must equal the world size: pp={pp} x dp={dp} x tp={tp} = "
-                         f"{pp * dp * tp}, world size = {world_size}")
+            raise UserError(f"dp * tp must equal the world size: dp={dp} x tp={tp} = {dp * tp}, "
+                            f"world size = {world_size}")
+        raise UserError(f"pp * dp * tp must equal the world size: pp={pp} x dp={dp} x tp={tp} = "
+                        f"{pp * dp * tp}, world size = {world_size}")
     return dp
 
 
@@ -139,18 +141,18 @@ def _validate_with_cp(tp: int, dp: int | None, world_size: int, pp: int, cp: int
     """:func:`validate_layout` with context parallelism: ``pp * dp * cp * tp == world_size``."""
     for name, value in (("tp", tp), ("pp", pp)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {name}={value!r}")
+            raise UserError(f"{name} must be a positive integer, got {name}={value!r}")
     fixed = pp * cp * tp
     if dp is None:
         if world_size % fixed:
-            raise ValueError(f"world size {world_size} is not divisible by pp x cp x tp = {pp} x {cp} x {tp} = "
-                             f"{fixed}; pp * dp * cp * tp must equal the world size")
+            raise UserError(f"world size {world_size} is not divisible by pp x cp x tp = {pp} x {cp} x {tp} = "
+                            f"{fixed}; pp * dp * cp * tp must equal the world size")
         return world_size // fixed
     if not isinstance(dp, int) or isinstance(dp, bool) or dp < 1:
-        raise ValueError(f"dp must be a positive integer, got dp={dp!r}")
+        raise UserError(f"dp must be a positive integer, got dp={dp!r}")
     if dp * fixed != world_size:
-        raise ValueError(f"pp * dp * cp * tp must equal the world size: pp={pp} x dp={dp} x cp={cp} x tp={tp} = "
-                         f"{dp * fixed}, world size = {world_size}")
+        raise UserError(f"pp * dp * cp * tp must equal the world size: pp={pp} x dp={dp} x cp={cp} x tp={tp} = "
+                        f"{dp * fixed}, world size = {world_size}")
     return dp
 
 
@@ -183,14 +185,14 @@ def _rank_device(backend: str) -> torch.device:
     if "nccl" not in backend:
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError(f"backend {backend!r} needs CUDA, but no GPU is visible to this process")
+        raise UserError(f"backend {backend!r} needs CUDA, but no GPU is visible to this process")
     gpus = torch.cuda.device_count()
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if local_world > gpus or local_rank >= gpus:
-        raise ValueError(f"LOCAL_WORLD_SIZE={local_world} ranks on this node (LOCAL_RANK={local_rank}) but only "
-                         f"{gpus} GPU(s) are visible: NCCL needs one GPU per rank. Start at most {gpus} "
-                         f"processes per node (torchrun --nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES")
+        raise UserError(f"LOCAL_WORLD_SIZE={local_world} ranks on this node (LOCAL_RANK={local_rank}) but only "
+                        f"{gpus} GPU(s) are visible: NCCL needs one GPU per rank. Start at most {gpus} "
+                        f"processes per node (torchrun --nproc-per-node {gpus}) or check CUDA_VISIBLE_DEVICES")
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
@@ -201,12 +203,12 @@ def _explicit_device(device: str | torch.device, backend: str) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"init_parallel(device={str(device)!r}) needs CUDA, but no GPU is visible to this process")
+            raise UserError(f"init_parallel(device={str(device)!r}) needs CUDA, but no GPU is visible to this process")
         device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         torch.cuda.set_device(device)
         torch.cuda.init()
     elif backend == "nccl":
-        raise ValueError(f"init_parallel(device={str(device)!r}) with backend {backend!r}: NCCL needs CUDA devices")
+        raise UserError(f"init_parallel(device={str(device)!r}) with backend {backend!r}: NCCL needs CUDA devices")
     return device
 
 
@@ -250,9 +252,9 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, cp: int = 
     if not launched and tp * pp * cp > 1:
         n = tp * pp * cp * (dp or 1)
         extra = (f", pp={pp}" if pp > 1 else "") + (f", cp={cp}" if cp > 1 else "")
-        raise ValueError(f"init_parallel(tp={tp}{extra}) needs {n} processes, but this is a single process started "
-                         f"without torchrun: start it with `torchrun --nproc-per-node {n} SCRIPT.py` (or "
-                         f"`seqpar train ... --nproc-per-node N`)")
+        raise UserError(f"init_parallel(tp={tp}{extra}) needs {n} processes, but this is a single process started "
+                        f"without torchrun: start it with `torchrun --nproc-per-node {n} SCRIPT.py` (or "
+                        f"`seqpar train ... --nproc-per-node N`)")
     dp = validate_layout(tp, dp, world_size, pp, cp)
     backend = _choose_backend(backend)
     device = _rank_device(backend) if device is None else _explicit_device(device, backend)

@@ -18,6 +18,7 @@ from typing import Callable, Iterator
 import torch
 
 from ..checkpoint.safetensors import write_safetensors
+from ..errors import UserError, file_error
 from ..model.config import DTYPES, GPTConfig
 
 Loader = Callable[[str], torch.Tensor]
@@ -27,7 +28,7 @@ EXPORT_FILES = ("config.json", "config.yaml", "model.safetensors", "tokenizer.js
 
 
 def family_of(config: GPTConfig) -> str:
-    """``"gpt2"`` or ``"llama"``; ``ValueError`` naming the fields of a mix neither family has."""
+    """``"gpt2"`` or ``"llama"``; a :class:`UserError` naming the fields of a mix neither family has."""
     gpt2 = dict(norm="layernorm", position="learned", mlp="gelu", bias=True, kv_heads=None)
     llama = dict(norm="rmsnorm", position="rope", mlp="swiglu")
     values = {k: getattr(config, k) for k in gpt2}
@@ -37,7 +38,7 @@ def family_of(config: GPTConfig) -> str:
         return "gpt2"
     if all(values[k] == v for k, v in llama.items()):
         return "llama"
-    raise ValueError(f"no Hugging Face family has this model: {values} (GPT-2 needs {gpt2}; Llama needs {llama})")
+    raise UserError(f"no Hugging Face family has this model: {values} (GPT-2 needs {gpt2}; Llama needs {llama})")
 
 
 def hf_stream(config: GPTConfig, load: Loader) -> Iterator[tuple[str, torch.Tensor]]:
@@ -75,11 +76,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if not (path / "extra.json").is_file():
         found = latest_checkpoint(path)
         if found is None:
-            raise ValueError(f"no complete checkpoint at {path}")
+            raise UserError(f"no complete checkpoint at {path}")
         path = found
     problem = checkpoint_problem(path)
     if problem is not None:
-        raise ValueError(f"checkpoint {path} is incomplete: {problem}")
+        raise UserError(f"checkpoint {path} is incomplete: {problem}")
     return path
 
 
@@ -160,7 +161,6 @@ def export_safetensors(checkpoint: str | Path, out: str | Path, dtype: str | Non
 
 def _check_out(out: Path, force: bool) -> None:
     """Refuse an ``out`` that is a file, or a folder holding files unless ``force``."""
-    from ..config.errors import UserError
     if out.exists() and not out.is_dir():
         raise UserError(f"{out} exists and is not a folder; choose another output folder")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -183,7 +183,12 @@ def main(argv: list[str] | None = None) -> int:
                    "an earlier export there, of either format, is replaced (its files removed); other files stay")
     args = p.parse_args(argv)
     _check_out(Path(args.out), args.force)
-    out = (export_hf if args.format == "hf" else export_safetensors)(args.checkpoint, args.out, args.dtype)
+    try:
+        out = (export_hf if args.format == "hf" else export_safetensors)(args.checkpoint, args.out, args.dtype)
+    except OSError as e:  # a file of the checkpoint unreadable, or the output folder not writable
+        if isinstance(e, UserError):
+            raise
+        raise file_error(f"seqpar export {args.checkpoint} {args.out}", e) from e
     if args.format == "hf":
         print(f"wrote {out} (load with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     else:

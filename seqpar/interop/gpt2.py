@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..errors import UserError
 from ..model.config import DTYPES, GPTConfig
 from ..dropin.wrappers import unwrap
 
@@ -56,7 +57,7 @@ def from_hf(hf_model: nn.Module, **overrides) -> tuple[GPTConfig, dict[str, torc
     if c.activation_function not in _ACT:
         unsupported.append(f"activation_function={c.activation_function!r}")
     if unsupported:
-        raise ValueError(f"from_hf: seqpar's GPT has no equivalent of GPT-2 option(s) {unsupported}")
+        raise UserError(f"from_hf: seqpar's GPT has no equivalent of GPT-2 option(s) {unsupported}")
     sd = hf_model.state_dict()
     if not any(k.startswith("transformer.") for k in sd):  # a bare GPT2Model
         sd = {f"transformer.{k}": v for k, v in sd.items()}

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..config import RunConfig, dump, loader, resolve_config
+from ..errors import UserError
 
 # GPTConfig fields read from the Hugging Face config; everything else (recompute, sequence
 # parallelism, ...) comes from --config and the overrides
@@ -33,12 +34,18 @@ def _load_hf(hf_dir: Path, dtype: str):
     from . import gpt2 as interop_gpt2, llama as interop_llama
 
     if not (hf_dir / "config.json").is_file():
-        raise ValueError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
-    kind = AutoConfig.from_pretrained(hf_dir, local_files_only=True).model_type
-    interop = {"llama": interop_llama, "gpt2": interop_gpt2}.get(kind)
-    if interop is None:
-        raise ValueError(f"{hf_dir}: model_type {kind!r} is not supported (gpt2 or llama)")
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=getattr(torch, dtype))
+        raise UserError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
+    try:
+        kind = AutoConfig.from_pretrained(hf_dir, local_files_only=True).model_type
+        interop = {"llama": interop_llama, "gpt2": interop_gpt2}.get(kind)
+        if interop is None:
+            raise UserError(f"{hf_dir}: model_type {kind!r} is not supported (gpt2 or llama)")
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=getattr(torch, dtype))
+    except (OSError, ValueError) as e:  # transformers' errors for a folder it cannot load
+        if isinstance(e, UserError):
+            raise
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise UserError(f"{hf_dir}: transformers cannot load this model folder ({type(e).__name__}: {first})") from e
     return model, interop
 
 
@@ -89,7 +96,7 @@ def import_hf(hf_dir: str | Path, checkpoint_dir: str | Path, *, config: str | N
 
     hf_dir, root = Path(hf_dir), Path(checkpoint_dir)
     if complete_checkpoints(root):
-        raise ValueError(f"{root} already holds checkpoints; import into an empty checkpoint dir")
+        raise UserError(f"{root} already holds checkpoints; import into an empty checkpoint dir")
     hf_model, interop = _load_hf(hf_dir, dtype)
     model_config, dense = interop.from_hf(hf_model)
     del hf_model

@@ -17,6 +17,7 @@ from typing import Callable, Iterator
 import torch
 import torch.nn as nn
 
+from ..errors import UserError
 from ..model.config import DTYPES, GPTConfig, RopeScaling
 
 _LAYER = {"ln1.weight": "input_layernorm.weight", "ln2.weight": "post_attention_layernorm.weight",
@@ -121,7 +122,7 @@ def from_hf(hf_model: nn.Module, **overrides) -> tuple[GPTConfig, dict[str, torc
     if (getattr(c, "pretraining_tp", 1) or 1) > 1:
         unsupported.append(f"pretraining_tp={c.pretraining_tp}")
     if unsupported:
-        raise ValueError(f"from_hf: seqpar's GPT has no equivalent of Llama option(s) {unsupported}")
+        raise UserError(f"from_hf: seqpar's GPT has no equivalent of Llama option(s) {unsupported}")
     sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
     if not any(k.startswith("model.") for k in sd):  # a bare LlamaModel
         sd = {f"model.{k}": v for k, v in sd.items()}

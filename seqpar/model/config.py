@@ -14,6 +14,7 @@ from typing import Literal, TypeVar
 
 import torch
 
+from ..errors import UserError
 from .modes import ATTENTION_MODES, RECOMPUTE_METHODS, RECOMPUTE_MODES, AttentionMode, RecomputeMethod, RecomputeMode
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -80,10 +81,10 @@ class RopeScaling:
     def validate(self) -> None:
         for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if not _finite_positive(getattr(self, name)):
-                raise ValueError(f"RopeScaling.{name} must be a finite number > 0, got {getattr(self, name)!r}")
+                raise UserError(f"RopeScaling.{name} must be a finite number > 0, got {getattr(self, name)!r}")
         if self.high_freq_factor <= self.low_freq_factor:
-            raise ValueError(f"RopeScaling.high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
-                             f"({self.low_freq_factor})")
+            raise UserError(f"RopeScaling.high_freq_factor ({self.high_freq_factor}) must exceed low_freq_factor "
+                            f"({self.low_freq_factor})")
 
 
 def swiglu_ffn(hidden: int) -> int:
@@ -156,31 +157,31 @@ class GPTConfig(Freezable):
         return -(-self.vocab_size // m) * m
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the values of any inconsistent field."""
+        """Raise :class:`~seqpar.errors.UserError` naming the values of any inconsistent field."""
         for name in ("vocab_size", "seq_len", "hidden", "heads", "layers", "ffn_hidden", "recompute_num_layers",
                      "vocab_multiple"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {v!r}")
+                raise UserError(f"GPTConfig.{name} must be a positive integer, got {v!r}")
         if self.hidden % self.heads:
-            raise ValueError(f"GPTConfig.hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+            raise UserError(f"GPTConfig.hidden ({self.hidden}) must be divisible by heads ({self.heads})")
         for name in ("dropout", "attention_dropout"):
             p = getattr(self, name)
             if not 0.0 <= p < 1.0:
-                raise ValueError(f"GPTConfig.{name} must be in [0, 1), got {p}")
+                raise UserError(f"GPTConfig.{name} must be in [0, 1), got {p}")
         if not 0 < self.layernorm_eps < float("inf"):  # NaN fails too; 0 divides by zero on a constant row
-            raise ValueError(f"GPTConfig.layernorm_eps must be a finite number > 0, got {self.layernorm_eps!r}")
+            raise UserError(f"GPTConfig.layernorm_eps must be a finite number > 0, got {self.layernorm_eps!r}")
         if not 0 <= self.init_std < float("inf"):
-            raise ValueError(f"GPTConfig.init_std must be a finite number >= 0, got {self.init_std!r}")
+            raise UserError(f"GPTConfig.init_std must be a finite number >= 0, got {self.init_std!r}")
         choices = {"activation": ("gelu", "gelu_tanh"), "recompute": (*RECOMPUTE_MODES, "auto"),
                    "recompute_method": RECOMPUTE_METHODS, "attention": ATTENTION_MODES, "dtype": tuple(DTYPES),
                    "norm": ("layernorm", "rmsnorm"), "position": ("learned", "rope"), "mlp": ("gelu", "swiglu")}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
+                raise UserError(f"GPTConfig.{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.recompute == "full" and self.recompute_num_layers > self.layers:
-            raise ValueError(f"GPTConfig.recompute_num_layers ({self.recompute_num_layers}) exceeds layers "
-                             f"({self.layers})")
+            raise UserError(f"GPTConfig.recompute_num_layers ({self.recompute_num_layers}) exceeds layers "
+                            f"({self.layers})")
         self._validate_recompute_layers()
         self._validate_llama_options()
 
@@ -189,10 +190,10 @@ class GPTConfig(Freezable):
         if modes is None:
             return
         if not isinstance(modes, (list, tuple)) or any(m not in RECOMPUTE_MODES for m in modes):
-            raise ValueError(f"GPTConfig.recompute_layers must be a list of {list(RECOMPUTE_MODES)}, got {modes!r}")
+            raise UserError(f"GPTConfig.recompute_layers must be a list of {list(RECOMPUTE_MODES)}, got {modes!r}")
         if len(modes) != self.layers:
-            raise ValueError(f"GPTConfig.recompute_layers has {len(modes)} entries but layers is {self.layers} "
-                             f"(model.recompute_layers needs one mode per layer of model.layers)")
+            raise UserError(f"GPTConfig.recompute_layers has {len(modes)} entries but layers is {self.layers} "
+                            f"(model.recompute_layers needs one mode per layer of model.layers)")
 
     def layer_recompute(self) -> tuple[str, ...] | None:
         """The per-layer modes the model runs: ``recompute_layers`` if set, else ``None`` (uniform
@@ -200,28 +201,28 @@ class GPTConfig(Freezable):
         if self.recompute_layers is not None:
             return tuple(self.recompute_layers)
         if self.recompute == "auto":
-            raise ValueError("GPTConfig.recompute='auto' has no per-layer modes yet: resolve it with "
-                             "seqpar.plan.resolve_recompute (needs train.memory_budget_gib), or set "
-                             "model.recompute_layers")
+            raise UserError("GPTConfig.recompute='auto' has no per-layer modes yet: resolve it with "
+                            "seqpar.plan.resolve_recompute (needs train.memory_budget_gib), or set "
+                            "model.recompute_layers")
         return None
 
     def _validate_llama_options(self) -> None:
         g = self.kv_heads
         if g is not None and (not isinstance(g, int) or isinstance(g, bool) or g < 1 or self.heads % g):
-            raise ValueError(f"GPTConfig.kv_heads ({g!r}) must be a positive integer dividing heads ({self.heads})")
+            raise UserError(f"GPTConfig.kv_heads ({g!r}) must be a positive integer dividing heads ({self.heads})")
         if self.position == "rope":
             if self.head_dim % 2:
-                raise ValueError(f"GPTConfig.position='rope' needs an even head dim; hidden ({self.hidden}) / "
-                                 f"heads ({self.heads}) = {self.head_dim}")
+                raise UserError(f"GPTConfig.position='rope' needs an even head dim; hidden ({self.hidden}) / "
+                                f"heads ({self.heads}) = {self.head_dim}")
             if not _finite_positive(self.rope_theta):
-                raise ValueError(f"GPTConfig.rope_theta must be a finite number > 0, got {self.rope_theta!r}")
+                raise UserError(f"GPTConfig.rope_theta must be a finite number > 0, got {self.rope_theta!r}")
             if self.rope_scaling is not None:
                 self.rope_scaling.validate()
         elif self.rope_scaling is not None:
-            raise ValueError(f"GPTConfig.rope_scaling is set but position is {self.position!r} (it needs 'rope')")
+            raise UserError(f"GPTConfig.rope_scaling is set but position is {self.position!r} (it needs 'rope')")
         if self.mlp == "swiglu" and self.activation != "gelu":
-            raise ValueError(f"GPTConfig.activation={self.activation!r} applies to mlp='gelu'; mlp='swiglu' uses "
-                             f"SiLU (leave activation at 'gelu')")
+            raise UserError(f"GPTConfig.activation={self.activation!r} applies to mlp='gelu'; mlp='swiglu' uses "
+                            f"SiLU (leave activation at 'gelu')")
 
     def check_parallel(self, t: int) -> None:
         """Every dimension that TP/SP splits must be divisible by ``t``; raised on every rank
@@ -233,9 +234,9 @@ class GPTConfig(Freezable):
         if self.sequence_parallel and self.seq_len % t:
             bad.append(f"seq_len ({self.seq_len}, sequence parallelism)")
         if bad:
-            raise ValueError(f"GPTConfig: not divisible by the tensor-parallel size t={t}: {', '.join(bad)}")
+            raise UserError(f"GPTConfig: not divisible by the tensor-parallel size t={t}: {', '.join(bad)}")
         g = self.kv_heads
         if g is not None and g % t and t % g:  # g < t: each head replicated over the t/g ranks using it
-            raise ValueError(f"GPTConfig: kv_heads ({g}; heads={self.heads}) and the tensor-parallel size t={t}: "
-                             f"t must divide kv_heads (each rank holds kv_heads/t heads) or be a multiple of it "
-                             f"(each head replicated over t/kv_heads ranks)")
+            raise UserError(f"GPTConfig: kv_heads ({g}; heads={self.heads}) and the tensor-parallel size t={t}: "
+                            f"t must divide kv_heads (each rank holds kv_heads/t heads) or be a multiple of it "
+                            f"(each head replicated over t/kv_heads ranks)")

@@ -21,6 +21,7 @@ from ..distributed.collectives import check_group, group_rank, group_size
 from ..distributed.context import CPComm, check_context_layout
 from ..distributed.mesh import ParallelMesh
 from ..distributed.rng import RNGStreams
+from ..errors import UserError
 from ..layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy
 from ..recompute import plan_recompute, run_plan
 from ..sharding import mark_sp_replicated
@@ -245,14 +246,15 @@ class GPT(nn.Module):
 
     def load_dense_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Slice full tensors (as from :meth:`dense_state_dict`) into this rank's shards.
-        Missing or unexpected keys and wrong shapes raise ``ValueError`` naming them."""
+        Missing or unexpected keys and wrong shapes raise :class:`~seqpar.errors.UserError` naming
+        them (the tensors come from a file: a checkpoint, an export, a Hugging Face model)."""
         expected = self._dense_shapes()
         missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         if missing or unexpected:
-            raise ValueError(f"dense state dict mismatch: missing {missing}, unexpected {unexpected}")
+            raise UserError(f"dense state dict mismatch: missing {missing}, unexpected {unexpected}")
         bad = [f"{k}: {tuple(state[k].shape)} != {tuple(s)}" for k, s in expected.items() if state[k].shape != s]
         if bad:
-            raise ValueError(f"dense state dict shape mismatch: {bad}")
+            raise UserError(f"dense state dict shape mismatch: {bad}")
         local = self.to_local(state)
         with torch.no_grad():
             for name, p in self.named_parameters():

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleIn
 from ..distributed.collectives import all_reduce, all_reduce_coalesced
 from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh
+from ..errors import UserError
 from ..model.config import GPTConfig
 from .grads import clip_grad_norm, sum_tied_grads, tied_embedding_group
 from .stages import StageModule, build_stage_modules, check_stage_split
@@ -45,13 +46,13 @@ def resolve_schedule(schedule: str | None, virtual_stages: int) -> str:
 def check_microbatches(n_microbatches: int, pp: int, schedule: str) -> None:
     """1F1B schedules need at least ``p`` micro-batches; the interleaved one a multiple of its rounds."""
     if not isinstance(n_microbatches, int) or n_microbatches < 1:
-        raise ValueError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
+        raise UserError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
     if schedule == "1F1B" and n_microbatches < pp:
-        raise ValueError(f"1F1B needs n_microbatches >= pp: got {n_microbatches} micro-batches for p={pp}")
+        raise UserError(f"1F1B needs n_microbatches >= pp: got {n_microbatches} micro-batches for p={pp}")
     rounds = max(1, n_microbatches // pp)
     if schedule == "Interleaved1F1B" and n_microbatches % rounds:
-        raise ValueError(f"Interleaved1F1B needs n_microbatches ({n_microbatches}) to be a multiple of "
-                         f"max(1, n_microbatches // p) = {rounds} (p={pp}); use a multiple of p")
+        raise UserError(f"Interleaved1F1B needs n_microbatches ({n_microbatches}) to be a multiple of "
+                        f"max(1, n_microbatches // p) = {rounds} (p={pp}); use a multiple of p")
 
 
 class PipelineParallel:

@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+from ..errors import UserError
 from ..model.modes import PRECISION_SETTINGS
 
 
@@ -60,8 +61,8 @@ class Precision:
         if self.name == "bf16":
             bad = sorted({str(p.dtype) for p in model.parameters() if p.dtype != torch.float32})
             if bad:
-                raise ValueError(f"train.precision=bf16 keeps fp32 master weights and computes in bf16: build the "
-                                 f"model in float32 (model.dtype), got parameters of dtype {bad}")
+                raise UserError(f"train.precision=bf16 keeps fp32 master weights and computes in bf16: build the "
+                                f"model in float32 (model.dtype), got parameters of dtype {bad}")
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.name == "bf16-autocast":

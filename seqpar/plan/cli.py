@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from ..errors import UserError
 from ..memory.formulas import load_sections
 from ..model.modes import RECOMPUTE_MODES
 from .gpus import GIB, GPU, GPUS, custom_gpu, get_gpu
@@ -69,11 +70,11 @@ def _gpu(args: argparse.Namespace):
     if args.gpu.lower() != "custom":
         given = [k for k, v in extra.items() if v is not None]
         if given:
-            raise ValueError(f"--{given[0].replace('_', '-')} applies to --gpu custom only, not --gpu {args.gpu}")
+            raise UserError(f"--{given[0].replace('_', '-')} applies to --gpu custom only, not --gpu {args.gpu}")
         return get_gpu(args.gpu)
     missing = [f"--{k.replace('_', '-')}" for k, v in extra.items() if v is None]
     if missing:
-        raise ValueError(f"--gpu custom needs {', '.join(missing)}")
+        raise UserError(f"--gpu custom needs {', '.join(missing)}")
     optional = {k: v for k, v in (("hbm_tbps", args.hbm_tbps), ("sms", args.sms)) if v is not None}
     return custom_gpu(**extra, **optional)
 
@@ -129,13 +130,13 @@ def _print_search(args, problem: Problem, sections: dict, name: str) -> list[str
              if problem.headroom else ""))
     print(f"{result.evaluated} layouts evaluated, {len(result.ranked)} fit ({time.perf_counter() - start:.1f} s)\n")
     if not result.ranked:
-        raise ValueError(f"no layout of {name} fits {problem.gpus} x {problem.gpu.name}; try more GPUs or "
-                         f"--layout to see which term overflows")
+        raise UserError(f"no layout of {name} fits {problem.gpus} x {problem.gpu.name}; try more GPUs or "
+                        f"--layout to see which term overflows")
     top = result.ranked[:args.top]
     print(table(top) + "\n")
     try:
         own = _config_layout(sections, problem)
-    except ValueError as err:  # recompute: auto that fits no budget, a layout of other GPUs
+    except UserError as err:  # recompute: auto that fits no budget, a layout of other GPUs
         own = None
         print(f"the config's own layout does not plan here: {err}\n")
     rank = next((i for i, c in enumerate(result.ranked, 1) if c.layout == own), None)
@@ -160,21 +161,22 @@ def _print_search(args, problem: Problem, sections: dict, name: str) -> list[str
 
 
 def run(args: argparse.Namespace, verify: Verify | None = None) -> int:
-    """Carry out a parsed ``seqpar plan`` command; ``ValueError`` for bad values. ``verify``: what
-    ``--verify`` calls with the config, the chosen layout's overrides, the GPU count and the GPU."""
+    """Carry out a parsed ``seqpar plan`` command; :class:`~seqpar.errors.UserError` for bad
+    values. ``verify``: what ``--verify`` calls with the config, the chosen layout's overrides, the
+    GPU count and the GPU."""
     if args.verify and verify is None:
-        raise ValueError("--verify runs through the seqpar command (seqpar plan ... --verify)")
+        raise UserError("--verify runs through the seqpar command (seqpar plan ... --verify)")
     bad = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("gpus", "gpus_per_node", "top", "global_batch")
            if getattr(args, k) is not None and getattr(args, k) < 1]
     if bad:
-        raise ValueError(f"need positive integers, got {', '.join(bad)}")
+        raise UserError(f"need positive integers, got {', '.join(bad)}")
     if args.png is not None and importlib.util.find_spec("matplotlib") is None:
-        raise ValueError("--png needs matplotlib: pip install matplotlib (or pip install 'seqpar[plot]')")
+        raise UserError("--png needs matplotlib: pip install matplotlib (or pip install 'seqpar[plot]')")
     gpu = _gpu(args)
     path, sections = load_sections(args.config, args.overrides)
     batch = args.global_batch or sections["train"].global_batch
     if batch is None:
-        raise ValueError(f"{args.config} sets no train.global_batch; pass --global-batch")
+        raise UserError(f"{args.config} sets no train.global_batch; pass --global-batch")
     problem = Problem(sections["model"], args.gpus, gpu, batch, args.gpus_per_node, args.precision, args.headroom)
     name = path.stem.upper()
     if args.layout is None:
@@ -189,12 +191,9 @@ def run(args: argparse.Namespace, verify: Verify | None = None) -> int:
 
 
 def main(argv: list[str] | None = None, *, verify: Verify | None = None) -> int:
-    args = _parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)
-    try:
-        return run(args, verify)
-    except ValueError as err:
-        print(f"seqpar plan: error: {err}", file=sys.stderr)
-        return 2
+    """``seqpar plan``: bad input raises :class:`~seqpar.errors.UserError`, which the ``seqpar``
+    command prints as one line (exit 2)."""
+    return run(_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv), verify)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from ..model.modes import RECOMPUTE_MODES
 
 def cp_table(model: GPTConfig, *, t: int, micro_batch: int, cp: int, name: str = "") -> str:
     """A Markdown table of per-rank activation bytes at cp = 1 and cp = ``cp``, per recompute mode.
-    Raises ``ValueError`` naming the values when ``model.seq_len`` does not cut into ``2*cp`` chunks."""
+    Raises :class:`~seqpar.errors.UserError` naming the values when ``model.seq_len`` does not cut
+    into ``2*cp`` chunks."""
     check_context_layout(model.seq_len, cp, t, model.sequence_parallel)
     rows = [f"{name} activations per rank with context parallelism: t={t}, b={micro_batch}, s={model.seq_len} "
             f"(s/cp={model.seq_len // cp} per CP rank), 16-bit activations",

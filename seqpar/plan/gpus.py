@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..errors import UserError
+
 GIB = 2**30
 MIB = 2**20
 GB = 10**9
@@ -87,11 +89,11 @@ class GPU:
                                                    "nvlink_efficiency", "ib_efficiency", "fp32_scale")}
         bad = {k: v for k, v in positive.items() if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0)}
         if bad:
-            raise ValueError(f"GPU {self.name!r}: values must be finite and > 0, got {bad}")
+            raise UserError(f"GPU {self.name!r}: values must be finite and > 0, got {bad}")
         nonneg = {k: getattr(self, k) for k in ("gemm_k_overhead", "collective_latency", "p2p_latency")}
         bad = {k: v for k, v in nonneg.items() if not (math.isfinite(v) and v >= 0)}
         if bad:
-            raise ValueError(f"GPU {self.name!r}: values must be finite and >= 0, got {bad}")
+            raise UserError(f"GPU {self.name!r}: values must be finite and >= 0, got {bad}")
 
 
 GPUS: dict[str, GPU] = {
@@ -112,7 +114,7 @@ def custom_gpu(*, peak_tflops: float, hbm_gib: float, nvlink_gbps: float, ib_gbp
               "--ib-gbps": ib_gbps, "--hbm-tbps": hbm_tbps, "--sms": sms}
     bad = {k: v for k, v in values.items() if v is None or not math.isfinite(v) or v <= 0}
     if bad:
-        raise ValueError(f"--gpu custom needs positive finite values, got {bad}")
+        raise UserError(f"--gpu custom needs positive finite values, got {bad}")
     return GPU("custom", peak_tflops * 1e12, hbm_gib * GIB, hbm_tbps * 1e12, nvlink_gbps * GB, ib_gbps * GB, int(sms))
 
 
@@ -120,7 +122,7 @@ def get_gpu(name: str) -> GPU:
     """The table entry for ``name`` (case-insensitive); ``custom`` needs :func:`custom_gpu`."""
     key = name.lower()
     if key not in GPUS:
-        raise ValueError(f"unknown GPU {name!r}; expected one of {sorted(GPUS) + ['custom']}")
+        raise UserError(f"unknown GPU {name!r}; expected one of {sorted(GPUS) + ['custom']}")
     return GPUS[key]
 
 

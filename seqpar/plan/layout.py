@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from ..distributed.context import check_context_layout
+from ..errors import UserError
 from ..model.config import GPTConfig
 from ..model.modes import (DATA_PARALLEL_MODES, RECOMPUTE_METHODS, RECOMPUTE_MODES, DataParallelMode, RecomputeMethod,
                            RecomputeMode)
@@ -85,13 +86,14 @@ def micro_batches(layout: Layout, global_batch: int) -> int:
     """Micro-batches each pipeline runs per step, ``global_batch / (dp * micro_batch)``."""
     per = layout.dp * layout.micro_batch
     if global_batch % per:
-        raise ValueError(f"global batch {global_batch} is not a multiple of dp x micro_batch = "
-                         f"{layout.dp} x {layout.micro_batch} = {per}")
+        raise UserError(f"global batch {global_batch} is not a multiple of dp x micro_batch = "
+                        f"{layout.dp} x {layout.micro_batch} = {per}")
     return global_batch // per
 
 
 def check_layout(layout: Layout, model: GPTConfig, gpus: int, global_batch: int, gpus_per_node: int) -> None:
-    """Raise ``ValueError`` naming the offending values if ``layout`` cannot run ``model``."""
+    """Raise :class:`~seqpar.errors.UserError` naming the offending values if ``layout`` cannot
+    run ``model``."""
     problems = _context_problems(layout, model)
     if layout.gpus != gpus:
         cp = f" x cp={layout.cp}" if layout.cp > 1 else ""
@@ -114,17 +116,17 @@ def check_layout(layout: Layout, model: GPTConfig, gpus: int, global_batch: int,
         n = micro_batches(layout, global_batch)
         if layout.virtual_stages > 1 and n % layout.pp:
             problems.append(f"the interleaved schedule needs micro-batches per step ({n}) divisible by pp={layout.pp}")
-    except ValueError as err:
+    except UserError as err:
         problems.append(str(err))
     try:
         replace(model, sequence_parallel=layout.sequence_parallel).check_parallel(layout.tp)
-    except ValueError as err:
+    except UserError as err:
         problems.append(str(err))
     if layout.recompute.kind == "full" and layout.recompute.num_layers > model.layers // chunks:
         problems.append(f"recompute_num_layers={layout.recompute.num_layers} exceeds the "
                         f"{model.layers // chunks} layers of a model chunk")
     if problems:
-        raise ValueError(f"layout {layout.label()}: " + "; ".join(problems))
+        raise UserError(f"layout {layout.label()}: " + "; ".join(problems))
 
 
 def _context_problems(layout: Layout, model: GPTConfig) -> list[str]:
@@ -134,7 +136,7 @@ def _context_problems(layout: Layout, model: GPTConfig) -> list[str]:
     problems = []
     try:
         check_context_layout(model.seq_len, layout.cp, layout.tp, layout.sequence_parallel)
-    except ValueError as err:
+    except UserError as err:
         problems.append(str(err))
     if model.attention_dropout > 0:
         problems.append(f"cp={layout.cp} needs attention_dropout 0 (got {model.attention_dropout})")
@@ -163,15 +165,15 @@ def _value(key: str, raw: str):
     kind = _KEYS[key]
     if kind is bool:
         if raw.lower() not in ("true", "false"):
-            raise ValueError(f"--layout {key}={raw!r}: expected true or false")
+            raise UserError(f"--layout {key}={raw!r}: expected true or false")
         return raw.lower() == "true"
     if kind is int:
         try:
             value = int(raw)
         except ValueError:
-            raise ValueError(f"--layout {key}={raw!r}: expected a positive integer") from None
+            raise UserError(f"--layout {key}={raw!r}: expected a positive integer") from None
         if value < 1:
-            raise ValueError(f"--layout {key}={raw!r}: expected a positive integer")
+            raise UserError(f"--layout {key}={raw!r}: expected a positive integer")
         return value
     return raw
 
@@ -186,22 +188,22 @@ def parse_layout(text: str, gpus: int) -> Layout:
     for item in filter(None, (p.strip() for p in text.split(","))):
         key, sep, raw = item.partition("=")
         if not sep or key not in _KEYS:
-            raise ValueError(f"--layout item {item!r}: expected key=value with key one of {sorted(_KEYS)}")
+            raise UserError(f"--layout item {item!r}: expected key=value with key one of {sorted(_KEYS)}")
         values[key] = _value(key, raw.strip())
     tp, pp, cp = values.get("tp", 1), values.get("pp", 1), values.get("cp", 1)
     if gpus % (tp * pp * cp):
         what = f"tp={tp} pp={pp}: tp x pp = {tp * pp}" if cp == 1 else f"tp={tp} pp={pp} cp={cp}: tp x pp x cp = " \
                f"{tp * pp * cp}"
-        raise ValueError(f"--layout {what} does not divide --gpus {gpus}")
+        raise UserError(f"--layout {what} does not divide --gpus {gpus}")
     kind = values.get("recompute", "selective")
     if kind not in RECOMPUTE_MODES:
-        raise ValueError(f"--layout recompute={kind!r}: expected one of {list(RECOMPUTE_MODES)}")
+        raise UserError(f"--layout recompute={kind!r}: expected one of {list(RECOMPUTE_MODES)}")
     method = values.get("recompute_method", "uniform")
     if method not in RECOMPUTE_METHODS:
-        raise ValueError(f"--layout recompute_method={method!r}: expected one of {list(RECOMPUTE_METHODS)}")
+        raise UserError(f"--layout recompute_method={method!r}: expected one of {list(RECOMPUTE_METHODS)}")
     dpm = values.get("data_parallel", "ddp")
     if dpm not in DATA_PARALLEL_MODES:
-        raise ValueError(f"--layout data_parallel={dpm!r}: expected one of {list(DATA_PARALLEL_MODES)}")
+        raise UserError(f"--layout data_parallel={dpm!r}: expected one of {list(DATA_PARALLEL_MODES)}")
     return Layout(tp=tp, pp=pp, dp=values.get("dp", gpus // (tp * pp * cp)), cp=cp,
                   virtual_stages=values.get("virtual_stages", 1), micro_batch=values.get("micro_batch", 1),
                   sequence_parallel=values.get("sequence_parallel", tp > 1),

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from ..distributed.context import check_context_layout
+from ..errors import UserError
 from ..memory.formulas import (PAPER_MODELS, ModelShape, bytes_per_layer, extra_bytes, gib, interleave_factor,
                                load_sections, paper_config_dir, per_gpu_bytes, ratio_to_tp, shape_of)
 from ..memory.state import state_table
@@ -122,17 +124,23 @@ def plot(shapes: Sequence[ModelShape], path: str | Path) -> None:
     fig.savefig(path, dpi=150)
 
 
-def _check_layouts(entries: list[Entry]) -> list[Entry]:
-    """``entries``, each model's dimensions checked against its t (``--tp`` or ``parallel.tp``) and
-    its layers against pp x virtual_stages: a layout that cannot run is refused, naming the values."""
+def _check_layouts(entries: list[Entry], cp: int | None = None) -> list[Entry]:
+    """``entries``, each model's dimensions checked against its t (``--tp`` or ``parallel.tp``), its
+    layers against pp x virtual_stages and its sequence against ``--cp``: a layout that cannot run
+    is refused (:class:`UserError` naming the values) before any figure is printed."""
     for e in entries:
         try:
             e.model.check_parallel(e.shape.t)
-        except ValueError as ex:
-            raise ValueError(f"{e.path}: {ex}") from None
+            if cp is not None:
+                try:
+                    check_context_layout(e.model.seq_len, cp, e.shape.t, e.model.sequence_parallel)
+                except UserError as ex:
+                    raise UserError(f"--cp {cp}: {ex}") from None
+        except UserError as ex:
+            raise UserError(f"{e.path}: {ex}") from None
         if e.shape.p > 1 and e.model.layers % (e.shape.p * e.shape.m):
-            raise ValueError(f"{e.path}: model.layers={e.model.layers} is not divisible into pp x virtual_stages = "
-                             f"{e.shape.p} x {e.shape.m} pipeline stages")
+            raise UserError(f"{e.path}: model.layers={e.model.layers} is not divisible into pp x virtual_stages = "
+                            f"{e.shape.p} x {e.shape.m} pipeline stages")
     return entries
 
 
@@ -143,8 +151,8 @@ def _check_measurable(entries: Sequence[Entry]) -> None:
         cfg = e.model
         try:
             dataclasses.replace(cfg, sequence_parallel=True).check_parallel(e.shape.t)
-        except ValueError as ex:
-            raise ValueError(f"{e.path}: {ex}") from None
+        except UserError as ex:
+            raise UserError(f"{e.path}: {ex}") from None
         if cfg.ffn_hidden != 4 * cfg.hidden:
             print(f"seqpar memory: note: {e.path}: ffn_hidden={cfg.ffn_hidden} != 4h; Table 2 assumes 4h",
                   file=sys.stderr)
@@ -160,17 +168,6 @@ def _print_first_stage(e: Entry) -> bool:
         err(f"measuring {e.path}'s pipeline failed: {ex}")
         return False
     print(first_stage_table(e.shape, stage) + "\n", flush=True)
-    return True
-
-
-def _print_cp(e: Entry, cp: int) -> bool:
-    """Print the per-rank activation table at context parallelism ``cp``; False (reported) when the
-    sequence does not split into ``2*cp`` chunks."""
-    try:
-        print(cp_table(e.model, t=e.shape.t, micro_batch=e.shape.b, cp=cp, name=e.shape.name) + "\n", flush=True)
-    except ValueError as ex:
-        err(f"{e.path}: --cp {cp}: {ex}")
-        return False
     return True
 
 
@@ -214,40 +211,38 @@ def _parse(argv: list[str]) -> argparse.Namespace:
 
 
 def err(msg: str) -> None:
-    """Report a user error on stderr, prefixed like argparse's."""
+    """Report a failed measurement (exit 1; bad input raises :class:`UserError` instead)."""
     print(f"seqpar memory: error: {msg}", file=sys.stderr)
 
 
-def main(argv: list[str]) -> int:
-    """Entry point of ``seqpar memory``; returns the exit status (2 for bad input)."""
-    args = _parse(argv)
+def _check_args(args: argparse.Namespace) -> None:
+    """The flags' values: :class:`UserError` naming the first bad one."""
     for name in ("micro_batch", "tp", "dp", "cp"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
-            err(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-            return 2
+            raise UserError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.png is not None and importlib.util.find_spec("matplotlib") is None:
-        err("--png needs matplotlib: pip install matplotlib (or pip install 'seqpar[plot]')")
-        return 2
+        raise UserError("--png needs matplotlib: pip install matplotlib (or pip install 'seqpar[plot]')")
+
+
+def main(argv: list[str]) -> int:
+    """Entry point of ``seqpar memory``; returns the exit status (1: a measurement failed). Bad input
+    (a flag, a config, a layout the model cannot split, a model too big to measure here) raises
+    :class:`UserError` before anything is printed: the ``seqpar`` command prints it as one line
+    and exits 2."""
+    args = _parse(argv)
+    _check_args(args)
     paths = list(args.configs)
     if args.paper or not paths:
         paths = [paper_config_dir() / f"{n}.yaml" for n in PAPER_MODELS] + paths
-    try:
-        entries = _check_layouts([load_entry(p, args.micro_batch, args.tp, args.overrides) for p in paths])
-    except (OSError, ValueError) as e:  # ConfigError is a ValueError; messages name the path
-        err(str(e))
-        return 2
+    entries = _check_layouts([load_entry(p, args.micro_batch, args.tp, args.overrides) for p in paths], args.cp)
     if args.measure:
         too_big = [f"{e.shape.name} (~{gib(estimate_bytes(e)):.1f} GiB over {e.shape.t} ranks)"
                    for e in entries if gib(estimate_bytes(e)) > args.max_gib]
         if too_big:
-            err(f"--measure refused: {', '.join(too_big)} above the {args.max_gib:g} GiB limit of activations "
-                f"and weights for this machine (--max-gib); measure a small config such as configs/memory-demo.yaml")
-            return 2
-        try:
-            _check_measurable(entries)
-        except ValueError as e:
-            err(str(e))
-            return 2
+            raise UserError(f"--measure refused: {', '.join(too_big)} above the {args.max_gib:g} GiB limit of "
+                            f"activations and weights for this machine (--max-gib); measure a small config such "
+                            f"as configs/memory-demo.yaml")
+        _check_measurable(entries)
     print("Activation memory per technique (Korthikanti et al. 2022, Table 2): 16-bit activations, 1-byte "
           "dropout masks; per GPU = first pipeline stage, terms outside the layers left out.\n", flush=True)
     for e in entries:
@@ -267,8 +262,9 @@ def main(argv: list[str]) -> int:
         print(table(e.shape, measured, expected, kernel) + "\n", flush=True)
         if args.measure and e.shape.p > 1 and not _print_first_stage(e):
             return 1
-        if args.cp is not None and not _print_cp(e, args.cp):
-            return 2
+        if args.cp is not None:
+            print(cp_table(e.model, t=e.shape.t, micro_batch=e.shape.b, cp=args.cp, name=e.shape.name) + "\n",
+                  flush=True)
         if args.dp is not None or args.data_parallel or args.precision:
             modes = [args.data_parallel] if args.data_parallel else list(DATA_PARALLEL_MODES)
             layouts = [(args.dp or 1, mode) for mode in modes]

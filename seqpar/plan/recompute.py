@@ -20,6 +20,7 @@ from pathlib import Path
 from ..config import ParallelConfig, RunConfig, TrainConfig
 from ..memory.formulas import load_sections
 from .. import flops
+from ..errors import UserError
 from ..model.config import GPTConfig
 from ..model.modes import RECOMPUTE_MODES
 from .gpus import GIB
@@ -106,9 +107,10 @@ def auto_recompute_layers(model: GPTConfig, parallel: ParallelConfig, train: Tra
     """``model.recompute: auto`` for loaded config sections: the per-layer modes under ``budget_gib``
     per GPU. The layout is ``parallel.tp/pp/virtual_stages/dp/data_parallel``, ``train.micro_batch``
     and ``model.sequence_parallel``; ``global_batch`` defaults to ``train.global_batch`` or
-    ``micro_batch x dp``. Raises ``ValueError`` naming the budget and the smallest that fits if nothing does."""
+    ``micro_batch x dp``. Raises :class:`~seqpar.errors.UserError` naming the budget and the
+    smallest that fits if nothing does."""
     if not (isinstance(budget_gib, (int, float)) and math.isfinite(budget_gib) and budget_gib > 0):
-        raise ValueError(f"memory budget must be a positive number of GiB, got {budget_gib!r}")
+        raise UserError(f"memory budget must be a positive number of GiB, got {budget_gib!r}")
     dp = parallel.dp or 1
     mode = parallel.data_parallel_mode(dp) if hasattr(parallel, "data_parallel_mode") else "ddp"
     layout = Layout(tp=parallel.tp, pp=parallel.pp, dp=dp, virtual_stages=parallel.virtual_stages,
@@ -119,8 +121,8 @@ def auto_recompute_layers(model: GPTConfig, parallel: ParallelConfig, train: Tra
     if mix is None:
         need = _smallest(model, layout, batch, precision) / GIB
         where = layout.label().rsplit(" rc=", 1)[0]
-        raise ValueError(f"memory budget {budget_gib} GiB is too small: even full recompute of every layer does not "
-                         f"fit; the smallest that fits is {need:.2f} GiB per GPU ({precision}, {where})")
+        raise UserError(f"memory budget {budget_gib} GiB is too small: even full recompute of every layer does not "
+                        f"fit; the smallest that fits is {need:.2f} GiB per GPU ({precision}, {where})")
     return layer_modes(mix, model.layers, parallel.pp, parallel.virtual_stages)
 
 
@@ -140,19 +142,19 @@ def resolve_recompute(cfg: RunConfig, *, device: str | None = None) -> RunConfig
     """``model.recompute: auto`` made concrete: a copy of ``cfg`` whose ``model.recompute_layers`` is
     the planner's per-layer choice under ``train.memory_budget_gib`` (:func:`auto_recompute_layers`,
     the same search ``seqpar plan`` ranks). Any other mode returns ``cfg`` itself. Pure: no
-    ``torch.distributed``; ``parallel.dp`` None counts as 1. ``ValueError`` when no budget is set
+    ``torch.distributed``; ``parallel.dp`` None counts as 1. ``UserError`` when no budget is set
     or even full recompute of every layer does not fit it."""
     if cfg.model.recompute != "auto":
         return cfg
     budget = cfg.train.memory_budget_gib
     if budget is None:
-        raise ValueError("model.recompute=auto needs train.memory_budget_gib (GiB per GPU the per-layer "
-                         "recompute must fit)")
+        raise UserError("model.recompute=auto needs train.memory_budget_gib (GiB per GPU the per-layer "
+                        "recompute must fit)")
     precision = planner_precision(cfg.train.precision, device)
     try:
         modes = auto_recompute_layers(cfg.model, cfg.parallel, cfg.train, budget, precision)
-    except ValueError as err:
-        raise ValueError(f"model.recompute=auto, train.memory_budget_gib={budget}: {err}") from None
+    except UserError as err:
+        raise UserError(f"model.recompute=auto, train.memory_budget_gib={budget}: {err}") from None
     return replace(cfg, model=replace(cfg.model, recompute_layers=tuple(modes)))
 
 
@@ -163,8 +165,8 @@ def recompute_layers(config: str | Path, budget_gib: float, *, precision: str = 
     try:
         return auto_recompute_layers(sections["model"], sections["parallel"], sections["train"], budget_gib,
                                      precision, global_batch)
-    except ValueError as err:
-        raise ValueError(f"{config}: {err}") from None
+    except UserError as err:
+        raise UserError(f"{config}: {err}") from None
 
 
 __all__ = ["auto_recompute_layers", "best_mix", "layer_modes", "planner_precision", "recompute_flops",

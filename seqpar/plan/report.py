@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Sequence
 
 from ..config import TrainConfig, load_run_config
+from ..errors import UserError
 from ..model.config import GPTConfig
 from .gpus import GIB
 from .layout import Layout
@@ -110,7 +111,7 @@ def check_overrides(config: str | Path, items: list[str]) -> str | None:
         cfg = load_run_config(config, items)
         cfg.validate()
         resolve_recompute(cfg)
-    except ValueError as err:
+    except UserError as err:
         return str(err)
     return None
 

@@ -16,6 +16,7 @@ import bisect
 from dataclasses import dataclass, replace
 from typing import Iterator
 
+from ..errors import UserError
 from ..model.config import GPTConfig
 from ..model.modes import DATA_PARALLEL_MODES, RECOMPUTE_MODES
 from .gpus import GPU
@@ -68,9 +69,9 @@ class Problem:
         bad = {k: getattr(self, k) for k in ("gpus", "global_batch", "gpus_per_node")
                if not isinstance(getattr(self, k), int) or getattr(self, k) < 1}
         if bad:
-            raise ValueError(f"need positive integers, got {bad}")
+            raise UserError(f"need positive integers, got {bad}")
         if not 0 <= self.headroom < 1:
-            raise ValueError(f"headroom must be a fraction in [0, 1), got {self.headroom}")
+            raise UserError(f"headroom must be a fraction in [0, 1), got {self.headroom}")
 
     @property
     def budget(self) -> float:
@@ -79,7 +80,7 @@ class Problem:
 
 
 def evaluate(problem: Problem, layout: Layout, checked: bool = False) -> Candidate:
-    """Memory and step time of one layout; ``ValueError`` naming the values if it cannot run at all
+    """Memory and step time of one layout; ``UserError`` naming the values if it cannot run at all
     (``checked``: the caller has run :func:`~seqpar.plan.layout.check_layout` already)."""
     pr = problem
     if not checked:
@@ -119,7 +120,7 @@ def families(problem: Problem, space: SearchSpace) -> Iterator[Layout]:
                         layout = Layout(t, p, dp, m, b, sp, Recompute("none"), mode, cp)
                         try:
                             check_layout(layout, pr.model, pr.gpus, pr.global_batch, pr.gpus_per_node)
-                        except ValueError:
+                        except UserError:
                             continue
                         yield layout
 

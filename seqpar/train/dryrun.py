@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.nn.modules.module import register_module_module_registration_hook
 
-from ..config.errors import UserError, is_user_error
 from ..distributed.mesh import ParallelMesh, init_parallel
+from ..errors import UserError
 from ..model.gpt import Block
 from ..parallel.data_parallel import state_bytes
 from ..parallel.engine import PipelineEngine, StepEngine, build_engine
@@ -237,16 +237,15 @@ def _run_rank(run: ResolvedRun, rank: int, device: str) -> RankRun:
 
 def dry_run_rank(run: ResolvedRun, rank: int, device: str = "cuda") -> RankRun:
     """Build rank ``rank`` of ``run`` on fake tensors and run one step (module docstring); a
-    ``ValueError`` from the build is re-raised as a :class:`UserError` naming the rank."""
+    :class:`UserError` from the build is re-raised naming the rank (any other error is a bug and
+    keeps its traceback)."""
     if not 0 <= rank < run.world_size:
         raise UserError(f"--rank {rank} is not a rank of a job of {run.world_size} (0 ... {run.world_size - 1})")
     reset_peak_rss()
     start = time.perf_counter()
     try:
         out = _run_rank(run, rank, device)
-    except ValueError as err:
-        if not is_user_error(err):
-            raise
+    except UserError as err:
         raise UserError(f"rank {rank} of {run.world_size}: {err}") from err
     out.seconds, out.peak_rss = time.perf_counter() - start, peak_rss()
     return out

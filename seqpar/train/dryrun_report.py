@@ -8,7 +8,7 @@ import json
 from collections.abc import Callable
 
 from ..config import RunConfig
-from ..config.errors import UserError
+from ..errors import UserError
 from ..memory.units import human
 from ..plan.gpus import GPU, get_gpu
 from .dryrun import RankRun, default_ranks, dry_run_rank
@@ -107,7 +107,7 @@ def dry_run(cfg: RunConfig, world: int, ranks: list[int] | None = None, *, devic
         ranks = default_ranks(world, pc.pp)
     try:
         run = resolve_run(cfg, world, device)
-    except ValueError as err:
+    except UserError as err:
         who = f"rank {ranks[0]}" if ranks and len(ranks) == 1 else (
             f"ranks {', '.join(map(str, ranks))}" if ranks else "every rank")
         raise UserError(f"{who} of {world}: {err}") from err
@@ -150,7 +150,7 @@ def verify_plan(config: str, overrides: list[str], world: int, gpu: GPU) -> int:
     print(f"\nverify: seqpar train {config} {' '.join(overrides)} --dry-run --world {world} --gpu {gpu.name}\n")
     try:
         cfg = load_run_config(config, overrides)
-    except ValueError as err:
+    except UserError as err:
         raise UserError(f"every rank of {world}: {err}") from err
     return main(config, cfg, world=world, ranks=None, device="cuda", gpu=gpu, as_json=False,
                 tolerance=VERIFY_TOLERANCE)

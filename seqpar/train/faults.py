@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ..config.errors import UserError
+from ..errors import UserError
 from ..sharding import local_tensor
 
 

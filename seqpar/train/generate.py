@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from ..distributed.regions import gather_from_tp
+from ..errors import UserError
 from .faults import NonFiniteError
 
 
@@ -65,7 +66,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    from ..config.errors import UserError
     if args.tokens < 1:
         raise UserError(f"--tokens must be at least 1 (got {args.tokens})")
 
@@ -94,8 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     tok_file = path / "tokenizer.json"
     if not tok_file.is_file():
         raise UserError(f"{tok_file} is missing (trained from a bare token file?)")
-    tok = Tokenizer.from_file(str(tok_file))
-    ids = sample(model, tok.encode(args.prompt).ids, args.tokens, temperature=args.temperature,
+    try:
+        tok = Tokenizer.from_file(str(tok_file))
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own exception types
+        raise UserError(f"{tok_file} is unreadable ({type(e).__name__}: {str(e)[:160]})") from e
+    prompt = tok.encode(args.prompt).ids
+    if not prompt:
+        raise UserError(f"--prompt {args.prompt!r} holds no token; give text to continue")
+    ids = sample(model, prompt, args.tokens, temperature=args.temperature,
                  top_k=args.top_k, seed=args.seed)
     print(tok.decode(ids, skip_special_tokens=False))
     return 0

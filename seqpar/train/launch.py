@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import UserError
+
 LAUNCHER_ENV = "SEQPAR_LAUNCHER"  # set for the ranks this command starts: they leave error lines to it
 
 
@@ -59,13 +61,12 @@ def _parser() -> argparse.ArgumentParser:
 def _dry_run(args) -> int:
     """``--dry-run``: :func:`seqpar.train.dryrun_report.main`."""
     from ..config import load_run_config
-    from ..config.errors import UserError
     from .dryrun_report import main as dry_run_main
     if args.world is None:
         raise UserError("--dry-run needs --world N, the ranks of the job")
     try:
         cfg = load_run_config(args.config, args.overrides)
-    except ValueError as err:
+    except UserError as err:
         raise UserError(f"every rank of {args.world}: {err}") from err
     return dry_run_main(args.config or "defaults", cfg, world=args.world, ranks=args.rank, device=args.device,
                         gpu=args.gpu, as_json=args.json)
@@ -80,12 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         return _dry_run(args)
     if args.world is not None or args.rank or args.gpu or args.json:
-        from ..config.errors import UserError
         raise UserError("--world, --rank, --gpu and --json go with --dry-run")
     from ..config import load_run_config
     cfg = load_run_config(args.config, args.overrides)  # fail fast, before any process is started
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
-        from ..config.errors import UserError
         raise UserError(f"--nproc-per-node must be at least 1 (got {args.nproc_per_node})")
     if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
         return _launch(args)

@@ -5,6 +5,8 @@ import json
 import time
 from pathlib import Path
 
+from ..errors import file_error
+
 
 def _fmt_duration(seconds: float) -> str:
     seconds = int(max(0, seconds))
@@ -29,8 +31,11 @@ class MetricsLogger:
         self.jsonl = None
         if enabled:
             out = Path(out_dir)
-            out.mkdir(parents=True, exist_ok=True)
-            self.jsonl = open(out / "metrics.jsonl", "a")
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+                self.jsonl = open(out / "metrics.jsonl", "a")
+            except OSError as e:  # out_dir names a file, or a folder this user may not write
+                raise file_error(f"out_dir {str(out)!r}", e) from e
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self.tb = SummaryWriter(str(out / "tensorboard"))

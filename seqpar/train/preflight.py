@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from ..errors import UserError
 from ..plan.gpus import GIB
 from ..plan.layout import run_layout
 from ..plan.memory import WORKSPACE_BYTES, Memory, stage_memory
@@ -69,9 +70,10 @@ def predicted_peak(run: ResolvedRun, device_type: str, capacity: float = float("
 
 
 def check_memory(run: ResolvedRun, device: torch.device | str, local_ranks: int = 1) -> None:
-    """Raise ``ValueError`` (one line: the estimate, the memory, the largest term) when ``run``'s
-    predicted peak per rank exceeds what a rank of ``device`` has (:func:`device_memory`). Pure
-    arithmetic on the resolved run: every rank raises the same error before any collective."""
+    """Raise :class:`~seqpar.errors.UserError` (one line: the estimate, the memory, the largest
+    term) when ``run``'s predicted peak per rank exceeds what a rank of ``device`` has
+    (:func:`device_memory`). Pure arithmetic on the resolved run: every rank raises the same error
+    before any collective."""
     if not run.cfg.train.memory_check:
         return
     device = torch.device(device)
@@ -84,11 +86,11 @@ def check_memory(run: ResolvedRun, device: torch.device | str, local_ranks: int 
         return
     name, size = max(((k, v) for k, v in memory.parts.items() if k != "workspace"), key=lambda kv: kv[1])
     stage = f" (pipeline stage {memory.stage})" if run.cfg.parallel.pp > 1 else ""
-    raise ValueError(f"predicted peak memory {memory.total / GIB:.1f} GiB per rank{stage} exceeds {what}; the "
-                     f"largest term is {name} ({size / GIB:.1f} GiB). Shrink model.layers, model.seq_len, "
-                     f"model.hidden or train.micro_batch, or split the model further (parallel.tp, parallel.pp, "
-                     f"model.recompute); seqpar train --dry-run shows every term, and train.memory_check=false "
-                     f"skips this check")
+    raise UserError(f"predicted peak memory {memory.total / GIB:.1f} GiB per rank{stage} exceeds {what}; the "
+                    f"largest term is {name} ({size / GIB:.1f} GiB). Shrink model.layers, model.seq_len, "
+                    f"model.hidden or train.micro_batch, or split the model further (parallel.tp, parallel.pp, "
+                    f"model.recompute); seqpar train --dry-run shows every term, and train.memory_check=false "
+                    f"skips this check")
 
 
 __all__ = ["check_memory", "device_memory", "host_memory_bytes", "predicted_peak"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from ..config import RunConfig, TrainConfig
 from ..distributed.mesh import validate_layout
+from ..errors import UserError
 from ..model.config import freeze
 from ..parallel.pipeline import check_microbatches, resolve_schedule
 from ..plan.recompute import resolve_recompute
@@ -48,9 +49,9 @@ def _split_for_pipeline(tc: TrainConfig, pp: int, dp: int) -> TrainConfig:
     """pp > 1 without ``train.global_batch``: the step's batch stays ``micro_batch x dp`` (the
     run p = 1 would train) and runs as ``pp`` micro-batches, the fewest 1F1B needs."""
     if tc.micro_batch % pp:
-        raise ValueError(f"parallel.pp={pp} needs at least {pp} micro-batches per step: set train.global_batch "
-                         f"(a multiple of micro_batch x dp x {pp}), or a train.micro_batch divisible by {pp} "
-                         f"(got {tc.micro_batch})")
+        raise UserError(f"parallel.pp={pp} needs at least {pp} micro-batches per step: set train.global_batch "
+                        f"(a multiple of micro_batch x dp x {pp}), or a train.micro_batch divisible by {pp} "
+                        f"(got {tc.micro_batch})")
     return dataclasses.replace(tc, micro_batch=tc.micro_batch // pp, global_batch=tc.micro_batch * dp)
 
 
@@ -61,7 +62,7 @@ def keep_saved_batch(cfg: RunConfig, dp: int, saved: int) -> tuple[RunConfig, st
     Otherwise, when ``micro_batch x dp`` is not ``saved``, the config gets ``global_batch=saved``
     and the largest ``micro_batch`` (at most the configured one) that splits it over ``dp`` ranks
     into whole micro-batches (with ``pp > 1``: enough for the schedule); the note says what
-    changed. Raises ``ValueError`` naming both batches when no micro-batch can (``saved`` not a
+    changed. Raises :class:`~seqpar.errors.UserError` naming both batches when no micro-batch can (``saved`` not a
     multiple of ``dp``)."""
     tc, pc = cfg.train, cfg.parallel
     if tc.global_batch is not None:
@@ -78,16 +79,16 @@ def keep_saved_batch(cfg: RunConfig, dp: int, saved: int) -> tuple[RunConfig, st
         if schedule is not None:
             try:
                 check_microbatches(accum, pc.pp, schedule)
-            except ValueError:
+            except UserError:
                 continue
         note = (f"resume keeps the checkpoint's global batch of {saved} sequences at dp={dp}: "
                 f"train.micro_batch {tc.micro_batch}" + (f" -> {micro}" if micro != tc.micro_batch else "")
                 + f", accumulation {accum} (set train.global_batch to change it)")
         return dataclasses.replace(cfg, train=dataclasses.replace(tc, micro_batch=micro, global_batch=saved)), note
-    raise ValueError(f"the checkpoint in checkpoint.dir={cfg.checkpoint.dir!r} trained with a global batch of "
-                     f"{saved} sequences, which dp={dp} data-parallel ranks cannot split (this layout's "
-                     f"micro_batch x dp = {tc.micro_batch} x {dp} would train {tc.micro_batch * dp}); resume "
-                     f"at a dp that divides {saved}, or set train.global_batch to change the global batch")
+    raise UserError(f"the checkpoint in checkpoint.dir={cfg.checkpoint.dir!r} trained with a global batch of "
+                    f"{saved} sequences, which dp={dp} data-parallel ranks cannot split (this layout's "
+                    f"micro_batch x dp = {tc.micro_batch} x {dp} would train {tc.micro_batch * dp}); resume "
+                    f"at a dp that divides {saved}, or set train.global_batch to change the global batch")
 
 
 def _auto_recompute(cfg: RunConfig, dp: int, device: str) -> tuple[RunConfig, str]:
@@ -107,7 +108,7 @@ def resolve_run(cfg: RunConfig, world_size: int, device: str = "cpu", *,
     ``"cuda"``: what ``recompute: auto`` plans for). ``saved_global_batch``: the global batch of
     the checkpoint the run resumes (:func:`seqpar.train.checkpointing.resume_global_batch`), kept
     at any dp (:func:`keep_saved_batch`). Pure arithmetic on the config: every rank raises the
-    same ``ValueError`` before any collective. ``cfg`` itself is left untouched; the run holds a
+    same :class:`~seqpar.errors.UserError` before any collective. ``cfg`` itself is left untouched; the run holds a
     read-only copy of it."""
     cfg.validate()
     pc = cfg.parallel
