@@ -45,10 +45,13 @@ def pytest_runtest_makereport(item, call):
 
 
 # ranks fork from a server that imported these once (seqpar.distributed.local); the Hugging Face
-# tests' ranks import transformers too (ignored where it is not installed)
+# tests' ranks import transformers and its GPT-2 and Llama models, and the compile tests' ranks
+# dynamo, AOTAutograd and Inductor (about a second each, paid once here instead of in every
+# rank; a module that is not installed is skipped). Importing them starts no torch thread pool.
 from seqpar.distributed import local as _local  # noqa: E402
 
-_local.PRELOAD.append("transformers")
+_local.PRELOAD += ["transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+                   "torch._dynamo", "torch._inductor.compile_fx", "functorch.compile"]
 
 
 @pytest.fixture

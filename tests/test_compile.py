@@ -59,15 +59,24 @@ def _max_rel(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-30)) for k in b)
 
 
-def _compare(cfg, mode, mesh=None) -> dict:
-    """Eager vs compiled (recording backend) on one configuration."""
+def _compare(cfg, mode, mesh=None, wire: bool = False, eager: bool = True) -> dict:
+    """Eager vs compiled (recording backend) on one configuration. ``wire``: also one more step of
+    each model with its collectives counted (:func:`_wire_bytes`); ``eager=False``: the compiled
+    model alone (no ``dloss``, ``dgrad`` or eager bytes)."""
     tokens, labels = _batch(cfg)
     before = graph_breaks()
-    le, ge, be = _measured_step(_model(cfg, mode, mesh), tokens, labels)
+    eager_model = _model(cfg, mode, mesh) if eager else None
+    if eager:
+        le, ge, be = _measured_step(eager_model, tokens, labels)
     rec = Recorder()
-    lc, gc, bc = _measured_step(_model(cfg, mode, mesh, rec.backend), tokens, labels)
-    return {"breaks": graph_breaks() - before, "graphs": len(rec.graphs), "dloss": abs(float(le - lc)),
-            "dgrad": _max_rel(gc, ge), "bytes": (bc, be), "loss": lc, "grads": gc}
+    compiled_model = _model(cfg, mode, mesh, rec.backend)
+    lc, gc, bc = _measured_step(compiled_model, tokens, labels)
+    out = {"breaks": graph_breaks() - before, "graphs": len(rec.graphs), "loss": lc, "grads": gc}
+    if eager:
+        out |= {"dloss": abs(float(le - lc)), "dgrad": _max_rel(gc, ge), "bytes": (bc, be)}
+    if wire:
+        out["wire"] = _wire_bytes(cfg, eager_model, compiled_model, rec)
+    return out
 
 
 CASES = [(GPT2, "none", 0.1), (GPT2, "selective", 0.1), (GPT2, "full", 0.1), (GPT2, ("selective", "full"), 0.1),
@@ -145,31 +154,32 @@ def _tp_cases(rank, world, t, cases):
     out = []
     for shape, mode, p, sp in cases:
         cfg = _config(shape, mode, p, sp=sp)
-        r = _compare(cfg, mode, mesh)
         # one graph shared by every block: uniform none / selective (full's blocks also run without grad)
-        wire = _wire_bytes(cfg, mode, mesh) if mode in ("none", "selective") else None
+        uniform = mode in ("none", "selective")
+        r = _compare(cfg, mode, mesh, wire=uniform)
         tp_invariant = None
         # compiled t=2 SP equals compiled t=1 (no dropout: SP ranks draw their own masks)
         if t == 2 and sp and mode == "selective":
             exact = _config(shape, mode, 0.0, sp=sp)
-            here, single = _compare(exact, mode, mesh), _compare(exact, mode, ParallelMesh.single())
+            here = _compare(exact, mode, mesh, eager=False)
+            single = _compare(exact, mode, ParallelMesh.single(), eager=False)
             tp_invariant = (abs(float(here["loss"] - single["loss"])), _max_rel(here["grads"], single["grads"]))
-        out.append({k: r[k] for k in ("breaks", "dloss", "dgrad", "bytes")} | {"wire": wire, "t1": tp_invariant})
+        keep = {k: r[k] for k in ("breaks", "dloss", "dgrad", "bytes")}
+        out.append(keep | {"wire": r.get("wire"), "t1": tp_invariant})
     return out
 
 
-def _wire_bytes(cfg, mode, mesh):
-    """Bytes of one training step's collectives: eager (seqpar's counter) and compiled (the counter
-    for what runs outside the blocks, plus each block's forward and backward graphs)."""
+def _wire_bytes(cfg, eager: GPT, compiled: GPT, rec: Recorder):
+    """Bytes of one more training step's collectives: eager (seqpar's counter) and compiled (the
+    counter for what runs outside the blocks, plus each block's forward and backward graphs, which
+    ``rec`` recorded when the earlier steps traced them)."""
     tokens, labels = _batch(cfg, 1)
-    eager = _model(cfg, mode, mesh)
     with count_comm() as ce:
         eager(tokens, labels).backward()
-    rec = Recorder()
-    comp = _model(cfg, mode, mesh, rec.backend)
-    comp(tokens, labels).backward()  # traces
+    traced = len(rec.graphs)
     with count_comm() as cc:
-        comp(tokens, labels).backward()
+        compiled(tokens, labels).backward()
+    assert len(rec.graphs) == traced, "the counted step compiled again"
     per_block = sum(rec.collectives().values())
     return ce.total_bytes(), cc.total_bytes() + cfg.layers * per_block
 

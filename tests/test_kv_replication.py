@@ -107,15 +107,16 @@ def _hf(group):
     model.eval()
     with torch.no_grad():
         ours = all_gather_dim(model(_ids()), group, -1)[..., :HV]  # [b, s, v_pad/t] -> [b, s, v]
-    back = to_hf(config, model.dense_state_dict())
-    round_trip = {k: torch.equal(v, back.state_dict()[k]) for k, v in hf_llama().state_dict().items()}
+    back = to_hf(config, model.dense_state_dict()).state_dict()
+    round_trip = {k: torch.equal(v, back[k]) for k, v in hf_llama().state_dict().items()}
 
     hf = hf_llama()
     seqpar.parallelize(hf, seqpar.plans.llama(), mesh_for(group))
     out = hf(input_ids=_ids(), labels=_ids(), use_cache=False)
     out.loss.backward()
     grads = to_dense(hf, {n: p.grad for n, p in hf.named_parameters()}, group)
-    same_dense = {k: torch.equal(v, dense_state_dict(hf)[k]) for k, v in hf_llama().state_dict().items()}
+    dense = dense_state_dict(hf)  # gathered once (a collective per tensor), not once per key
+    same_dense = {k: torch.equal(v, dense[k]) for k, v in hf_llama().state_dict().items()}
     return ours, round_trip, out.logits.detach(), grads, same_dense
 
 
