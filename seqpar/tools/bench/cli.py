@@ -19,9 +19,9 @@ import platform
 import sys
 from pathlib import Path
 
-from .. import flops
-from ..model.modes import RECOMPUTE_MODES
-from ..memory.units import human
+from ... import flops
+from ...model.modes import RECOMPUTE_MODES
+from ...memory.units import human
 from .peer import BenchShape
 from .runner import PEERS, run_spawned
 
