@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from seqpar.plan.memory_cli import main
+from seqpar.tools.memory_cli import main
 
 if __name__ == "__main__":  # guard needed: --measure starts ranks with the spawn method
     sys.exit(main(sys.argv[1:]))

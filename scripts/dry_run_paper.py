@@ -14,7 +14,7 @@ import sys
 
 from seqpar.config import load_run_config
 from seqpar.plan.paper import paper_run
-from seqpar.train.dryrun_report import dry_run
+from seqpar.tools.dryrun_report import dry_run
 
 PARTS = ("parameters", "gradients", "optimizer", "activations", "outside_layers")
 

@@ -1,16 +1,15 @@
 """``seqpar`` command line: ``seqpar train | generate | memory | bench ...``."""
 from __future__ import annotations
 
-import functools
 import importlib
 import sys
 
 COMMANDS = {
-    "train": ("seqpar.train.launch", "train a GPT model (torchrun-compatible; --nproc-per-node starts torchrun)"),
+    "train": ("seqpar.tools.train_cli", "train a GPT model (torchrun-compatible; --nproc-per-node starts torchrun)"),
     "generate": ("seqpar.train.generate", "print a sample from a checkpoint"),
-    "memory": ("seqpar.plan.memory_cli", "activation memory per technique: paper formulas and measured bytes"),
-    "bench": ("seqpar.bench.cli", "seqpar vs Megatron-LM core vs PyTorch DTensor, measured side by side"),
-    "plan": ("seqpar.plan.cli", "choose layout and recompute for a model on a cluster, predicted step time"),
+    "memory": ("seqpar.tools.memory_cli", "activation memory per technique: paper formulas and measured bytes"),
+    "bench": ("seqpar.tools.bench.cli", "seqpar vs Megatron-LM core vs PyTorch DTensor, measured side by side"),
+    "plan": ("seqpar.tools.plan_cli", "choose layout and recompute for a model on a cluster, predicted step time"),
     "export": ("seqpar.interop.export", "write a checkpoint as a Hugging Face model folder (--format hf)"),
     "import": ("seqpar.interop.hf_import", "convert a local Hugging Face model folder into a seqpar checkpoint"),
 }
@@ -34,11 +33,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from .config.errors import run_entry_point
     module = importlib.import_module(COMMANDS[name][0])
-    main_ = module.main
-    if name == "plan":  # seqpar plan --verify dry-runs the chosen layout (seqpar.train, above seqpar.plan)
-        from .train.dryrun_report import verify_plan
-        main_ = functools.partial(module.main, verify=verify_plan)
-    return run_entry_point(f"seqpar {name}", main_, rest)
+    return run_entry_point(f"seqpar {name}", module.main, rest)
 
 
 if __name__ == "__main__":

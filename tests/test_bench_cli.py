@@ -3,7 +3,7 @@ import json
 
 
 def test_bench_prints_tables_and_writes_results(tmp_path, capsys):
-    from seqpar.bench.cli import main
+    from seqpar.tools.bench.cli import main
     out = tmp_path / "bench"
     rc = main(["--systems", "seqpar", "--recompute", "none,selective", "--seq", "32", "--hidden", "32",
                "--heads", "4", "--vocab", "64", "--layers", "2", "--repeats", "2", "--warmup", "0",
@@ -22,7 +22,7 @@ def test_bench_prints_tables_and_writes_results(tmp_path, capsys):
 
 
 def test_bench_rejects_unknown_systems(capsys):
-    from seqpar.bench.cli import main
+    from seqpar.tools.bench.cli import main
     try:
         main(["--systems", "seqpar,deepspeed"])
     except SystemExit as e:

@@ -29,8 +29,8 @@ def _dense_grads(model) -> dict[str, torch.Tensor]:
 
 
 def _compare(rank, world):
-    from seqpar.bench.dtensor_peer import DTensorPeer
-    from seqpar.bench.peer import BenchShape
+    from seqpar.tools.bench.dtensor_peer import DTensorPeer
+    from seqpar.tools.bench.peer import BenchShape
     from seqpar.model import GPT, GPTConfig
 
     group = tp_group_of(2)

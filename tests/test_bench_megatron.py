@@ -10,7 +10,7 @@ import torch  # noqa: E402
 
 from distributed_harness import tp_group_of  # noqa: E402
 from gpt_helpers import batch, mesh_for  # noqa: E402
-from seqpar.bench.peer import BenchShape  # noqa: E402
+from seqpar.tools.bench.peer import BenchShape  # noqa: E402
 from seqpar.model import GPT, GPTConfig  # noqa: E402
 
 SHAPE = BenchShape(vocab_size=64, seq_len=16, hidden=32, heads=4, layers=2, micro_batch=2)
@@ -35,7 +35,7 @@ def _patchable() -> dict[str, tuple[object, str]]:
     from megatron.core.tensor_parallel import random as mrandom
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-    from seqpar.bench.megatron_peer import patch_targets
+    from seqpar.tools.bench.megatron_peer import patch_targets
 
     known = [(torch.cuda, "current_device"), (mrandom, "_get_cuda_rng_state"), (mrandom, "_set_cuda_rng_state"),
              (mrandom.CudaRNGStatesTracker, "add"), (WrappedTorchNorm, "__new__")]
@@ -57,7 +57,7 @@ def _compare(rank, world_size):
     import warnings
 
     warnings.filterwarnings("ignore")
-    from seqpar.bench.megatron_peer import MegatronPeer
+    from seqpar.tools.bench.megatron_peer import MegatronPeer
 
     originals = _originals()
     group = tp_group_of(world_size)
@@ -96,7 +96,7 @@ def test_megatron_matches_seqpar_losses_and_saves_less_with_selective(spawn):
 
 
 def test_patches_hold_only_inside_their_block_even_on_error():
-    from seqpar.bench.megatron_peer import megatron_patches
+    from seqpar.tools.bench.megatron_peer import megatron_patches
 
     before = _originals()
     with pytest.raises(RuntimeError, match="inside"):

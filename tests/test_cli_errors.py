@@ -79,7 +79,7 @@ sys.exit(main(sys.argv[1:]))
 def test_an_internal_error_keeps_its_traceback(tmp_path):
     """`seqpar memory` and `seqpar train` (one process) meeting a ValueError that is a bug: its
     traceback, exit 1 -- not a one-line user error with exit 2."""
-    cases = [("seqpar.plan.memory_cli", "state_table", ["memory", "tiny-cpu", "--dp", "2"]),
+    cases = [("seqpar.tools.memory_cli", "state_table", ["memory", "tiny-cpu", "--dp", "2"]),
              ("seqpar.train.trainer", "check_memory", ["train", *TINY, f"checkpoint.dir={tmp_path / 'c'}",
                                                         f"out_dir={tmp_path / 'o'}"])]
     for module, name, args in cases:
@@ -95,7 +95,8 @@ def test_memory_and_plan_refusals_go_through_the_one_error_path(capsys):
     """`seqpar memory` and `seqpar plan` raise UserError (before: they printed their own line and
     returned 2, outside the entry point's error path); the seqpar command prints it as one line."""
     from seqpar import cli
-    from seqpar.plan import cli as plan_cli, memory_cli
+    from seqpar.plan import cli as plan_cli
+    from seqpar.tools import memory_cli
     with pytest.raises(UserError, match="--micro-batch must be a positive integer, got 0"):
         memory_cli.main(["tiny-cpu", "--micro-batch", "0"])
     with pytest.raises(UserError, match="--gpus=0"):

@@ -11,7 +11,7 @@ from compile_helpers import Recorder, graph_breaks, unique_graphs
 from distributed_harness import run_ranks, tp_group_of
 from gpt_helpers import loss_and_dense_grads, mesh_for
 from seqpar.distributed import ParallelMesh
-from seqpar.distributed.collectives import count_comm
+from seqpar.distributed import count_comm
 from seqpar.memory import ActivationLedger
 from seqpar.model import GPT, GPTConfig
 from seqpar.parallel.compile import compile_blocks, uncompile_blocks

@@ -12,8 +12,8 @@ import seqpar.parallel.stages as stages
 from seqpar import cli
 from seqpar.config import load_run_config
 from seqpar.config.errors import UserError
-from seqpar.train.dryrun import FakeRun
-from seqpar.train.dryrun_report import dry_run
+from seqpar.tools.dryrun import FakeRun
+from seqpar.tools.dryrun_report import dry_run
 
 # a small model the failure tests build in well under a second
 TINY = ["model.vocab_size=64", "model.seq_len=32", "model.hidden=32", "model.heads=4", "model.layers=4",
@@ -118,6 +118,10 @@ def test_ddp_of_torch_is_refused_with_what_works():
     cfg = load_run_config(None, [*TINY, "parallel.data_parallel=ddp", "train.precision=fp32"])
     with pytest.raises(UserError, match="rank 0 of 4: data_parallel=ddp over dp=2 in fp32 .*train.precision=bf16"):
         dry_run(cfg, 4, device="cpu")
+    cfg = load_run_config(None, [*TINY, "parallel.cp=2", "model.attention_dropout=0", "parallel.data_parallel=ddp",
+                                 "train.precision=fp32"])
+    with pytest.raises(UserError, match="rank 0 of 4: data_parallel=ddp over dp=1 x cp=2 in fp32"):
+        dry_run(cfg, 4, device="cpu")  # DDP reduces over dp x cp (before: torch's reducer failed on fake tensors)
 
 
 def test_plan_verify_dry_runs_the_chosen_layout(capsys):

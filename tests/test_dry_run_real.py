@@ -7,9 +7,9 @@ from pathlib import Path
 from seqpar import init_parallel
 from seqpar.config import load_run_config
 from seqpar.train import Trainer
-from seqpar.train.dryrun import saved_activations, step_group_names
-from seqpar.train.dryrun_comm import record_step
-from seqpar.train.dryrun_report import dry_run
+from seqpar.tools.dryrun import saved_activations, step_group_names
+from seqpar.tools.dryrun_comm import record_step
+from seqpar.tools.dryrun_report import dry_run
 
 from run_helpers import run_overrides
 

@@ -137,8 +137,8 @@ def test_measured_first_pipeline_stage_matches_section_4_2_3(tmp_path):
     """pp > 1 (what ``seqpar memory CONFIG --measure`` adds): the first stage's peak during one
     interleaved step, on p x t gloo ranks, equals L (1 + (p-1)/(pm)) layers' worth of Table 2
     (1F1B's L layers: tests/test_pipeline.py)."""
-    from seqpar.plan.memory_cli import load_entry
-    from seqpar.plan.memory_measure import RANK_TIMEOUT_S, first_stage_table, measure_first_stage
+    from seqpar.tools.memory_cli import load_entry
+    from seqpar.tools.memory_measure import RANK_TIMEOUT_S, first_stage_table, measure_first_stage
     cfg = tmp_path / "pp.yaml"
     cfg.write_text(yaml.safe_dump({"model": {**TINY["model"], "layers": 4}, "train": {"micro_batch": 1},
                                    "parallel": {"tp": 2, "pp": 2, "virtual_stages": 2}}))

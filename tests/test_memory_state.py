@@ -8,7 +8,7 @@ from seqpar.memory.state import FSDP_UNSHARDED_LAYERS, state_bytes_formula, stat
 from seqpar.plan import Layout
 from seqpar.plan.layout import check_layout
 from seqpar.plan.memory import memory_per_gpu
-from seqpar.plan.memory_cli import main
+from seqpar.tools.memory_cli import main
 
 T, DP = 8, 4
 

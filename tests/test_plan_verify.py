@@ -8,12 +8,12 @@ import re
 
 import pytest
 
-import seqpar.train.dryrun as dryrun
+import seqpar.tools.dryrun as dryrun
 from seqpar import cli
 from seqpar.config import load_run_config
 from seqpar.memory.whole_model import attention_kernel, cuda_sdpa_kernel
-from seqpar.train.dryrun_check import VERIFY_TOLERANCE
-from seqpar.train.dryrun_report import dry_run
+from seqpar.tools.dryrun_check import VERIFY_TOLERANCE
+from seqpar.tools.dryrun_report import dry_run
 
 _ROW = r"\| {} \| ([\d.]+ [KMG]iB) \| ([\d.]+ [KMG]iB) \| ([\d.]+) \|"
 

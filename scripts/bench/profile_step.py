@@ -13,9 +13,9 @@ import sys
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from seqpar.bench.peer import BenchShape
-from seqpar.bench.runner import _batch, load_peer
-from seqpar.bench.seqpar_peer import gpt_config
+from seqpar.tools.bench.peer import BenchShape
+from seqpar.tools.bench.runner import _batch, load_peer
+from seqpar.tools.bench.seqpar_peer import gpt_config
 from seqpar.distributed.local import run_local
 from seqpar.distributed.mesh import ParallelMesh
 from seqpar.model import GPT

@@ -18,8 +18,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch.distributed as dist
 
+from ..distributed.collectives import all_gather_object, world_group
 from .errors import CheckpointError, CheckpointInUse, CheckpointWriteError, write_error
 from .integrity import ALGORITHM, file_checksum
 from .safe_metadata import capped_repr
@@ -299,9 +299,8 @@ def open_checkpoint_dir(root: str | Path, is_first: bool) -> CheckpointDir:
         except Exception as e:  # reported on every rank below, so no rank waits in a collective
             handle.close()
             error = e
-    if dist.is_initialized():
-        messages: list = [None] * dist.get_world_size()
-        dist.all_gather_object(messages, None if error is None else str(error))
+    if world_group() is not None:
+        messages = all_gather_object(None if error is None else str(error), world_group())
         failed = next((m for m in messages if m is not None), None)
         if failed is not None and error is None:
             handle.close()

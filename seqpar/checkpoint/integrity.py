@@ -13,7 +13,7 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
-import torch.distributed as dist
+from ..distributed.collectives import all_gather_object, group_rank, group_size, world_group
 
 ALGORITHM = "crc32"
 _CHUNK = 8 << 20
@@ -41,26 +41,19 @@ def checksums(folder: Path, names) -> dict[str, str]:
 def agree(problem: str | None) -> str | None:
     """The first rank's problem (``None`` when no rank has one), the same on every rank; a
     collective when distributed, so a problem seen by one rank stops all of them."""
-    if not dist.is_initialized():
-        return problem
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, problem)
+    everyone = all_gather_object(problem, world_group())
     return next((p for p in everyone if p is not None), None)
 
 
 def gather_dicts(mine: dict) -> dict:
     """The union of every rank's ``mine`` (a collective when distributed)."""
-    if not dist.is_initialized():
-        return dict(mine)
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = all_gather_object(mine, world_group())
     return {k: v for d in everyone for k, v in d.items()}
 
 
 def _share(names: list[str]) -> list[str]:
-    if not dist.is_initialized():
-        return names
-    return names[dist.get_rank()::dist.get_world_size()]
+    world = world_group()
+    return names[group_rank(world)::group_size(world)]
 
 
 def verify_files(folder: Path, recorded: dict, *, shared: bool = True) -> str | None:

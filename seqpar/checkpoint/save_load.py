@@ -57,10 +57,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..distributed.collectives import group_rank, group_size, new_group, world_group
 from ..distributed.rng import RNGStreams, capture_streams, restore_streams
 from .compat import check_compatible
 from .errors import (CheckpointCorrupt, CheckpointError, CheckpointMismatch, CheckpointWriteError,
@@ -81,7 +81,7 @@ def _open(path: Path, verify: bool) -> dict:
     if problem is not None:
         raise CheckpointCorrupt(f"checkpoint {path} is incomplete: {problem}")
     if verify:
-        problem = verify_files(path, recorded_checksums(path), shared=dist.is_initialized())
+        problem = verify_files(path, recorded_checksums(path), shared=world_group() is not None)
         if problem is not None:
             raise CheckpointCorrupt(f"checkpoint {problem}")
     try:
@@ -115,7 +115,7 @@ def _one_process_in_background() -> None:
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    return group_rank(world_group())
 
 
 def _discard(tmp: Path) -> None:
@@ -154,8 +154,8 @@ def _write_own_files(tmp: Path, step: int, extra: dict, config_yaml: str, stream
                 current = tmp / name
                 shutil.copyfile(src, current)
             current = tmp / "extra.json"
-            current.write_text(json.dumps({"step": step, "world_size": dist.get_world_size()
-                                           if dist.is_initialized() else 1, **extra}, indent=1))
+            current.write_text(json.dumps({"step": step, "world_size": group_size(world_group()), **extra},
+                                          indent=1))
     except (OSError, RuntimeError) as e:
         error = write_error(e, current)
         if error is None:
@@ -188,7 +188,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
             planner = PartsSavePlanner(parts, copy=True, staging=staging)
             _STAGING.busy = _STAGING.busy or staging is not None
             try:
-                if not dist.is_initialized():
+                if world_group() is None:
                     _one_process_in_background()
                 with _one_process():
                     future = dcp.async_save(state, storage_writer=writer, planner=planner,
@@ -199,7 +199,7 @@ def save_checkpoint(root: str | Path, step: int, model, optimizer, extra: dict, 
         else:
             with _one_process():
                 dcp.save(state, storage_writer=writer, planner=PartsSavePlanner(parts),
-                         no_dist=not dist.is_initialized())
+                         no_dist=world_group() is None)
             future = None
     except CheckpointException as e:
         _discard(tmp)
@@ -222,10 +222,10 @@ _STAGING = StagingBuffers()  # the background saves' CPU snapshots, allocated on
 def _async_group():
     """A gloo group of the whole world for the background writes' collectives (never the training
     group, which the main thread keeps using meanwhile)."""
-    if not dist.is_initialized():
+    if world_group() is None:
         return None
     if not _ASYNC_GROUP:
-        _ASYNC_GROUP.append(dist.new_group(backend="gloo"))
+        _ASYNC_GROUP.append(new_group(backend="gloo"))
     return _ASYNC_GROUP[0]
 
 
@@ -321,7 +321,7 @@ def _load_rng(path: Path, extra: dict, modules: list, streams) -> str | None:
     """Restore this rank's RNG states when the layout matches the saved one; an unreadable RNG
     file on any rank raises :class:`CheckpointCorrupt` on every rank, naming it. Returns the line
     saying the dropout streams were reseeded (saved on another device type), else ``None``."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = group_size(world_group())
     rng_file = path / f"rng_rank{_rank()}.pt"
     cp = getattr(getattr(modules[0], "cp", None), "size", 1)  # context parallelism: ranks' roles differ too
     layout = (modules[0].tp_size, len(modules), getattr(modules[0], "num_stages", 1), cp)
@@ -383,7 +383,7 @@ def load_model_only(path: str | Path, model, *, verify: bool = True) -> dict:
     reader, saved = _reader(path)
     dense = _dense_like(model)
     _refuse_unused(path, {k for k in saved if k.startswith("model.")}, {f"model.{k}" for k in dense})
-    _dcp_load(path, {"model": dense}, storage_reader=reader, no_dist=not dist.is_initialized())
+    _dcp_load(path, {"model": dense}, storage_reader=reader, no_dist=world_group() is None)
     model.load_dense_state_dict(dense)
     return extra
 

@@ -23,8 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Callable, Iterator
 
-import torch.distributed as dist
-
+from ..distributed.collectives import group_rank, group_size, world_group
 from .errors import DataError
 
 POLL_S = 0.1        # how often a waiter tries the lock again
@@ -34,8 +33,9 @@ Log = Callable[[str], None]
 
 def _world() -> tuple[int, int]:
     """(rank, world size) of this process: the process group's, else torchrun's environment."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+    world = world_group()
+    if world is not None:
+        return group_rank(world), group_size(world)
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
 
 

@@ -1,5 +1,5 @@
 """Process groups, the paper's communication operators, RNG streams and gradient sync."""
-from .collectives import CommCounter, count_comm
+from .comm_counter import CommCounter, count_comm
 from .local import RankFailed, run_local
 from .grad_sync import install_sp_grad_hooks, mark_sp_replicated, sp_replicated_parameters, sync_sp_replicated_grads
 from .mesh import ParallelMesh, init_parallel

@@ -1,12 +1,11 @@
-"""Raw collectives on contiguous tensors, plus an optional byte counter.
+"""Process groups and the collectives on them: the one place seqpar calls ``torch.distributed``.
 
-These are the only places seqpar talks to ``torch.distributed``. Each takes its process
-group explicitly. Sequence shards are contiguous dim-0 slices, so the dim-0 gathers and
-reduce-scatters below write straight into one output buffer (no concatenation copy).
-
-Beyond the collectives: :func:`ring_send_recv`, one point-to-point step of a ring (the
-overlapped TP layers cut an all-gather or reduce-scatter into ``t-1`` of them), and the wrappers
-of PyTorch's async-TP kernels (symmetric memory, CUDA + NCCL) behind :func:`async_tp_group_name`.
+Each collective takes its process group explicitly; ``None`` (or no initialised process group)
+is a group of one rank, on which every collective is the identity. :func:`world_group` is the
+default group when there is one. Sequence shards are contiguous dim-0 slices, so the dim-0 gathers
+and reduce-scatters below write straight into one output buffer (no concatenation copy). Each
+collective is counted by :mod:`~seqpar.distributed.comm_counter` right before it is issued; the
+transfers that run under computation (ring steps, async TP) are :mod:`~seqpar.distributed.transfers`.
 
 torch >= 2.13 names the single-tensor collectives ``all_gather_single`` /
 ``reduce_scatter_single``; older releases call them ``all_gather_into_tensor`` /
@@ -14,18 +13,25 @@ torch >= 2.13 names the single-tensor collectives ``all_gather_single`` /
 """
 from __future__ import annotations
 
-import warnings
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from .comm_counter import record
+
 ProcessGroup = dist.ProcessGroup
+ReduceOp = dist.ReduceOp
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# --------------------------------------------------------------------------- groups
+
+def world_group() -> ProcessGroup | None:
+    """The default (world) process group, or ``None`` when no process group is initialised."""
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
 def group_size(group: ProcessGroup | None) -> int:
@@ -56,73 +62,34 @@ def check_group(group: ProcessGroup | None, what: str) -> None:
         )
 
 
-# --------------------------------------------------------------------------- byte counter
-
-@dataclass
-class CommCounter:
-    """Counts calls and payload bytes per collective kind while active (see :func:`count_comm`).
-
-    Bytes are the size of the full (unsharded) tensor each collective operates on, which is
-    the quantity a ring algorithm moves ``(t-1)/t`` of per rank: the all-gather's output,
-    the reduce-scatter's input, the all-reduce's tensor.
-    """
-
-    calls: dict[str, int] = field(default_factory=dict)
-    bytes: dict[str, int] = field(default_factory=dict)
-
-    def add(self, kind: str, nbytes: int, group: ProcessGroup | None = None) -> None:
-        """One collective of ``kind`` over ``group`` on a tensor of ``nbytes`` (see the class docstring)."""
-        self.calls[kind] = self.calls.get(kind, 0) + 1
-        self.bytes[kind] = self.bytes.get(kind, 0) + nbytes
-
-    def total_bytes(self) -> int:
-        return sum(self.bytes.values())
-
-    def wire_bytes(self, t: int) -> float:
-        """Bytes each rank sends with ring algorithms: ``(t-1)/t`` of an all-gather's or a
-        reduce-scatter's full tensor, ``2(t-1)/t`` of an all-reduce's (a reduce-scatter then an
-        all-gather), and all of a point-to-point send's (``send_recv``, counted at the sender)."""
-        factor = {"all_gather": (t - 1) / t, "reduce_scatter": (t - 1) / t, "all_reduce": 2.0 * (t - 1) / t,
-                  "send_recv": 1.0}
-        return sum(factor[k] * n for k, n in self.bytes.items())
+def group_ranks(group: ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group``, in group order (``None``: this process's global rank alone)."""
+    return [group_rank(world_group())] if group is None else dist.get_process_group_ranks(group)
 
 
-_active_counters: list[CommCounter] = []
-_pending = [0]  # torch.distributed operators recorded here and not yet seen by a recorder of them
+def backend_of(group: ProcessGroup | None) -> str | None:
+    """The backend (``"gloo"``, ``"nccl"``, ...) of ``group``, ``None`` for one rank."""
+    return None if group is None else dist.get_backend(group)
 
 
-@contextmanager
-def count_comm(counter: CommCounter | None = None) -> Iterator[CommCounter]:
-    """Record every seqpar collective issued inside the block (forward and backward), into
-    ``counter`` when given (a subclass may keep more, e.g. the group), else a new one."""
-    counter = CommCounter() if counter is None else counter
-    _active_counters.append(counter)
-    _pending[0] = 0
-    try:
-        yield counter
-    finally:
-        _active_counters.remove(counter)
-        _pending[0] = 0
+def new_group(ranks: list[int] | None = None, *, backend: str | None = None) -> ProcessGroup:
+    """A new process group of the global ``ranks`` (all when ``None``); a collective of the world."""
+    return dist.new_group(ranks, backend=backend)
 
 
-def claimed() -> bool:
-    """For a recorder of torch.distributed's own operators (``seqpar train --dry-run``), once per
-    operator it sees: True when the operator is one this module has just recorded (each of its
-    collectives is recorded right before it issues its one operator; a ring step, two per tensor)."""
-    if _pending[0] > 0:
-        _pending[0] -= 1
-        return True
-    return False
+def all_gather_object(obj: Any, group: ProcessGroup | None) -> list[Any]:
+    """Every rank's ``obj`` (picklable, small), in group order; ``[obj]`` for one rank."""
+    if group_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
-def _record(kind: str, t: torch.Tensor, group: ProcessGroup | None = None, ops: int = 1) -> None:
-    """Count one collective of ``kind`` on ``t`` over ``group``, issued next as ``ops`` operators."""
-    if torch.compiler.is_compiling():  # a compiled graph's collectives are read off the graph
-        return
-    for c in _active_counters:
-        c.add(kind, t.numel() * t.element_size(), group)
-    if _active_counters:
-        _pending[0] += ops
+def barrier(group: ProcessGroup | None) -> None:
+    """Wait until every rank of ``group`` reaches this call."""
+    if group_size(group) > 1:
+        dist.barrier(group=group)
 
 
 # --------------------------------------------------------------------------- collectives
@@ -132,7 +99,7 @@ def all_reduce(x: torch.Tensor, group: ProcessGroup | None, *, async_op: bool = 
     """In-place all-reduce of ``x``; returns the work handle when ``async_op``."""
     if group_size(group) == 1:
         return None
-    _record("all_reduce", x, group)
+    record("all_reduce", x, group)
     return _handle(dist.all_reduce(x, op=op, group=group, async_op=async_op), async_op)
 
 
@@ -185,7 +152,7 @@ def all_gather_dim0(x: torch.Tensor, group: ProcessGroup | None, *, out: torch.T
     x = x.contiguous()
     if out is None:
         out = torch.empty((x.shape[0] * t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("all_gather", out, group)
+    record("all_gather", out, group)
     handle = _all_gather_single(out, x, group=group, async_op=async_op)
     return out, _handle(handle, async_op)
 
@@ -223,7 +190,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group: ProcessGroup | None, *, async_op
         return x, None
     x = x.contiguous()
     out = torch.empty((x.shape[0] // t, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("reduce_scatter", x, group)
+    record("reduce_scatter", x, group)
     if _uses_gloo(group):
         received = torch.empty_like(x)
         work = dist.all_to_all_single(received, x, group=group, async_op=async_op)
@@ -260,6 +227,22 @@ def reduce_scatter_dim(x: torch.Tensor, group: ProcessGroup | None, dim: int) ->
     return reduce_scatter_dim0(moved, group)[0].movedim(0, dim)
 
 
+def all_gather_dim_async(x: torch.Tensor, group: ProcessGroup | None, dim: int, *, async_op: bool = True):
+    """:func:`all_gather_dim` started without waiting where it can (dim 0 and ``async_op``):
+    ``(out, handle)``; ``wait()`` on a handle that is not None before reading ``out``."""
+    if dim % x.dim() == 0:
+        return all_gather_dim0(x, group, async_op=async_op)
+    return all_gather_dim(x, group, dim), None
+
+
+def reduce_scatter_dim_async(x: torch.Tensor, group: ProcessGroup | None, dim: int, *, async_op: bool = True):
+    """:func:`reduce_scatter_dim` started without waiting where it can (dim 0 and ``async_op``):
+    ``(out, handle)``; ``wait()`` on a handle that is not None before reading ``out``."""
+    if dim % x.dim() == 0:
+        return reduce_scatter_dim0(x, group, async_op=async_op)
+    return reduce_scatter_dim(x, group, dim), None
+
+
 def chunk_of(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Tensor:
     """This rank's contiguous chunk of ``x`` along ``dim`` (a copy only when dim != 0)."""
     t = group_size(group)
@@ -268,74 +251,6 @@ def chunk_of(x: torch.Tensor, group: ProcessGroup | None, dim: int) -> torch.Ten
     n = x.shape[dim] // t
     piece = x.narrow(dim, group_rank(group) * n, n)
     return piece if dim % x.dim() == 0 else piece.contiguous()
-
-
-# --------------------------------------------------------------------------- point-to-point rings
-
-class RingTransfer:
-    """Point-to-point transfers in flight (:func:`ring_send_recv`): ``wait()`` finishes the sends
-    and the receives and returns the received tensors. Holds the sent tensors until then."""
-
-    def __init__(self, works: list, sent: list[torch.Tensor], received: list[torch.Tensor]):
-        self.works, self.sent, self.received = works, sent, received
-
-    def wait(self) -> list[torch.Tensor]:
-        for w in self.works:
-            w.wait()
-        self.works, self.sent = [], []
-        return self.received
-
-
-def ring_send_recv(tensors: list[torch.Tensor], group: ProcessGroup | None, *, tag: int = 0) -> RingTransfer:
-    """Start sending ``tensors`` to the next rank of ``group`` (``r+1 mod t``) and receiving the
-    previous rank's (``r-1``; same shapes and dtypes); non-blocking. ``tag`` tells the concurrent
-    transfers of one exchange apart (the same on every rank). Each send is counted as
-    ``send_recv``: a ring of ``t-1`` such steps moves what one all-gather or reduce-scatter does."""
-    t, r = group_size(group), group_rank(group)
-    nxt, prev = dist.get_global_rank(group, (r + 1) % t), dist.get_global_rank(group, (r - 1) % t)
-    sent = [x.contiguous() for x in tensors]
-    received = [torch.empty_like(x) for x in sent]
-    ops = []
-    for i, (x, into) in enumerate(zip(sent, received)):
-        _record("send_recv", x)
-        ops.append(dist.P2POp(dist.isend, x, nxt, group, tag=tag * len(sent) + i))
-        ops.append(dist.P2POp(dist.irecv, into, prev, group, tag=tag * len(sent) + i))
-    return RingTransfer(dist.batch_isend_irecv(ops), sent, received)
-
-
-# --------------------------------------------------------------------------- async TP (CUDA)
-
-def async_tp_group_name(x: torch.Tensor, group: ProcessGroup | None) -> str | None:
-    """The name of ``group`` when PyTorch's async-TP kernels (symmetric memory) can run the fused
-    all-gather + matmul and matmul + reduce-scatter on ``x``: a CUDA tensor, an NCCL group of more
-    than one rank, and a torch that provides ``torch.ops.symm_mem``; else ``None`` (use the
-    decomposed ring). Enables symmetric memory for the group where this torch still needs it."""
-    if not x.is_cuda or group is None or group_size(group) == 1 or dist.get_backend(group) != "nccl":
-        return None
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-        ops = torch.ops.symm_mem
-        ops.fused_all_gather_matmul, ops.fused_matmul_reduce_scatter  # noqa: B018 - presence check
-    except (ImportError, AttributeError, RuntimeError):
-        return None
-    name = group.group_name
-    if not symm_mem.is_symm_mem_enabled_for_group(name):
-        with warnings.catch_warnings():  # deprecated (and unneeded) on newer torch; needed on older
-            warnings.simplefilter("ignore", FutureWarning)
-            symm_mem.enable_symm_mem_for_group(name)
-    return name
-
-
-def fused_all_gather_matmul(x: torch.Tensor, weight_t: torch.Tensor, group_name: str) -> torch.Tensor:
-    """``all_gather(x, dim 0) @ weight_t`` by PyTorch's async-TP kernel: ``[n, ..., k]`` shards and
-    ``weight_t [k, m]`` -> ``[t*n, ..., m]``; each shard's copy overlaps the previous one's matmul."""
-    return torch.ops.symm_mem.fused_all_gather_matmul(x, [weight_t], 0, group_name)[1][0]
-
-
-def fused_matmul_reduce_scatter(x: torch.Tensor, weight_t: torch.Tensor, group_name: str) -> torch.Tensor:
-    """``reduce_scatter(x @ weight_t, dim 0)`` by PyTorch's async-TP kernel: ``[t*n, ..., k]`` ->
-    ``[n, ..., m]``, each destination's partial product sent while the next one is computed."""
-    return torch.ops.symm_mem.fused_matmul_reduce_scatter(x, weight_t, "sum", 0, group_name)
 
 
 def check_divisible(size: int, t: int, what: str) -> None:

@@ -8,7 +8,7 @@ sees ``(r+1) + (2cp-r) = 2cp+1`` chunks: the same work on each. Tokens, labels a
 
 Exchange: an all-gather of each rank's K/V over cp (rank order: rank ``j``'s two chunks at rows
 ``[2jc, 2(j+1)c)``), its backward a reduce-scatter of the K/V gradients; or a ring of
-point-to-point steps (:func:`ring_shift`), each sending this rank's current block to ``r+1`` and
+point-to-point steps (:func:`~seqpar.distributed.transfers.ring_send_recv` over the cp group), each sending this rank's current block to ``r+1`` and
 receiving ``r-1``'s, started before the current block's attention so the two overlap.
 """
 from __future__ import annotations
@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
-import torch.distributed as dist
 
 from ..errors import UserError
-from .collectives import ProcessGroup, _record, group_rank, group_size
+from .collectives import ProcessGroup, group_rank, group_size
 
 CPComm = Literal["allgather", "ring"]
 CP_COMMS: tuple[CPComm, ...] = get_args(CPComm)
@@ -59,11 +58,14 @@ def context_positions(seq: int, cp_rank: int, cp: int, device: torch.device | st
 
 def split_for_context(x: torch.Tensor, cp_rank: int, cp: int, dim: int = 1) -> torch.Tensor:
     """This CP rank's tokens of ``x`` along ``dim`` (``[b, s] -> [b, s/cp]`` by default): chunks
-    ``r`` and ``2cp-1-r`` concatenated. A copy (``index_select``); the identity when ``cp == 1``."""
+    ``r`` and ``2cp-1-r`` concatenated (the tokens at :func:`context_positions`). A copy; the
+    identity when ``cp == 1``."""
     if cp == 1:
         return x
     check_context_layout(x.shape[dim], cp)
-    return x.index_select(dim, context_positions(x.shape[dim], cp_rank, cp, x.device))
+    c = x.shape[dim] // (2 * cp)
+    first, second = context_chunks(cp_rank, cp)
+    return torch.cat([x.narrow(dim, first * c, c), x.narrow(dim, second * c, c)], dim=dim)
 
 
 @dataclass(frozen=True)
@@ -86,33 +88,3 @@ class ContextParallel:
         if kernel not in ("math", "sdpa"):
             raise ValueError(f"model.attention must be 'math' or 'sdpa', got {kernel!r}")
         return cls(group, group_size(group), group_rank(group), comm, kernel)
-
-    def peer(self, offset: int) -> int:
-        """Global rank of the CP rank ``offset`` steps along the ring from this one."""
-        return dist.get_global_rank(self.group, (self.rank + offset) % self.size)
-
-
-class RingStep:
-    """One ring transfer in flight: ``wait()`` returns the received tensors."""
-
-    def __init__(self, works: list, received: list[torch.Tensor]):
-        self.works, self.received = works, received
-
-    def wait(self) -> list[torch.Tensor]:
-        for w in self.works:
-            w.wait()
-        return self.received
-
-
-def ring_shift(tensors: list[torch.Tensor], cp: ContextParallel, tag: int = 0) -> RingStep:
-    """Start sending ``tensors`` to the next CP rank and receiving the previous rank's (same
-    shapes); non-blocking. ``wait()`` on the result before reading what arrived. ``tag`` tells
-    the transfers of one exchange apart (the same on every rank)."""
-    received = [torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in tensors]
-    ops = []
-    for i, (x, into) in enumerate(zip(tensors, received)):
-        x = x.contiguous()
-        _record("send_recv", x, cp.group, ops=2)  # a send and a receive
-        ops.append(dist.P2POp(dist.isend, x, cp.peer(1), cp.group, tag=tag * len(tensors) + i))
-        ops.append(dist.P2POp(dist.irecv, into, cp.peer(-1), cp.group, tag=tag * len(tensors) + i))
-    return RingStep(dist.batch_isend_irecv(ops), received)

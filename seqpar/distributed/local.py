@@ -7,6 +7,9 @@ and never sees a GPU (unless ``gpus=True``: the GPU checks put two gloo ranks on
 first rank to fail stops the others and its error, traceback included, is raised in the caller; a
 run past ``timeout`` is killed.
 
+:func:`fake_world` is the other kind of local rank: this process as one rank of a world whose
+collectives return at once and send nothing (``seqpar train --dry-run``).
+
 Ranks are forked from a ``forkserver`` that imported torch and seqpar once (a spawned interpreter
 spends seconds on those imports, and a test suite starts hundreds of ranks); the server itself
 never runs a torch op, so no thread pool is forked. Each rank gets the caller's environment as it
@@ -178,3 +181,17 @@ def _wait(procs: list, run_dir: Path, timeout: float | None, fn: Callable) -> No
             raise TimeoutError(f"run_local: rank(s) {hung} of {len(procs)} still running "
                                f"{getattr(fn, '__qualname__', fn)} after {timeout:g} s; killed")
         time.sleep(POLL_S)
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int) -> Iterator[None]:
+    """This process as rank ``rank`` of ``world_size`` fake ranks (``torch.testing``'s ``FakeStore``,
+    backend ``"fake"``: collectives return at once, nothing is sent) for the block, destroyed after.
+    Needs a process without a process group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

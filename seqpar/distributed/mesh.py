@@ -271,6 +271,12 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, cp: int = 
     return _parallel_mesh(mesh, world_size, device)
 
 
+def destroy_parallel() -> None:
+    """Destroy the default process group (and the mesh's groups with it), if one is initialised."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _parallel_mesh(mesh, world_size: int, device: torch.device) -> ParallelMesh:
     """This rank's :class:`ParallelMesh` of a ``("pp", "dp", "cp", "tp")`` DeviceMesh."""
     size = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape))

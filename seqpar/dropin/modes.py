@@ -13,11 +13,10 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from .. import sharding
-from ..distributed.collectives import ProcessGroup, group_size
+from ..distributed.collectives import ProcessGroup, group_ranks, group_size
 from ..distributed.grad_sync import install_sp_grad_hooks, mark_sp_replicated
 from ..distributed.mesh import ParallelMesh
 from ..distributed.regions import copy_to_tp, gather_from_sp, gather_to_replicated, scatter_to_sp
@@ -137,8 +136,8 @@ def set_sequence_parallel(model: nn.Module, enabled: bool) -> nn.Module:
 
 def _ranks(group: ProcessGroup | None) -> list[int]:
     if group_size(group) == 1:
-        return [dist.get_rank() if dist.is_initialized() else 0]
-    return sorted(dist.get_process_group_ranks(group))
+        return group_ranks(None)
+    return sorted(group_ranks(group))
 
 
 def check_groups(model: nn.Module, mesh: ParallelMesh | None) -> None:

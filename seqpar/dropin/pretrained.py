@@ -11,10 +11,9 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from ..distributed.collectives import all_reduce
+from ..distributed.collectives import all_reduce, group_rank, group_size, world_group
 from ..distributed.mesh import ParallelMesh
 from .spec import Plan
 from .state_dict import dense_state_dict
@@ -35,12 +34,12 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs) -> None
         raise ValueError(f"save_pretrained: {type(inner).__name__} is not a transformers model; use "
                          f"seqpar.dropin.dense_state_dict(model) and torch.save")
     dense = dense_state_dict(inner)  # every rank takes part in the gathers
-    world = dist.is_initialized() and dist.get_world_size() > 1
-    if not world or dist.get_rank() == 0:
+    world = world_group()
+    if group_rank(world) == 0:
         save(inner, path, state_dict=dense, **kwargs)  # the class's method: the instance's one refuses
-    if world:  # one element all-reduced: no rank returns before rank 0 has written
+    if group_size(world) > 1:  # one element all-reduced: no rank returns before rank 0 has written
         device = next(inner.parameters()).device
-        all_reduce(torch.zeros(1, device=device), dist.group.WORLD)
+        all_reduce(torch.zeros(1, device=device), world)
 
 
 def load_pretrained(model_class, path: str | os.PathLike, plan: Plan, mesh: ParallelMesh | None, *,

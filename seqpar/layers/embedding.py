@@ -4,7 +4,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch._subclasses.fake_tensor import is_fake
 
 from ..distributed.collectives import ProcessGroup, check_divisible, check_group, group_rank, group_size
 from ..distributed.regions import reduce_from_tp, reduce_scatter_to_sp
@@ -60,9 +59,8 @@ class VocabParallelEmbedding(nn.Module):
     def _check_range(self, ids: torch.Tensor) -> None:
         """Ids outside the vocabulary would look up zeros on every rank (a silently wrong result).
         Eager on CPU: a ``ValueError`` with the range found. Under ``torch.compile`` or on a GPU: a
-        device-side assertion, which needs no host sync and breaks no graph (and, on the fake
-        tensors of ``seqpar train --dry-run``, checks nothing)."""
-        if torch.compiler.is_compiling() or ids.device.type != "cpu" or is_fake(ids):
+        device-side assertion, which needs no host sync and breaks no graph."""
+        if torch.compiler.is_compiling() or ids.device.type != "cpu":
             torch._assert_async(((ids >= 0) & (ids < self.num_embeddings)).all(),
                                 f"VocabParallelEmbedding: ids must lie in [0, {self.num_embeddings})")
         elif ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):

@@ -14,6 +14,9 @@ ranks in ``tp_group``:
 ``tp_overlap=True`` (SP only; ``parallel.tp_overlap``, :func:`seqpar.parallel.apply_tp_overlap`):
 the all-gather and the reduce-scatter cut into per-rank chunks, each transfer under another
 chunk's GEMM, forward and backward (:mod:`seqpar.layers.overlap`); same results, bytes and saved tensors.
+
+The layers reach the paper's operators through one route, their functional forms
+(:mod:`seqpar.layers.functional`: each GEMM with its f / f-bar / g / g-bar, plain or overlapped).
 """
 from __future__ import annotations
 
@@ -21,128 +24,13 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from ..distributed.collectives import (
-    ProcessGroup,
-    all_gather_dim,
-    all_gather_dim0,
-    all_reduce,
-    check_divisible,
-    check_group,
-    group_rank,
-    group_size,
-    reduce_scatter_dim,
-    reduce_scatter_dim0,
-)
+from ..distributed.collectives import ProcessGroup, check_divisible, check_group, group_rank, group_size
 from ..distributed.grad_sync import replica_grad_sum
-from ..distributed.regions import gather_from_tp, reduce_from_tp, reduce_scatter_to_sp, split_to_tp
+from ..distributed.regions import gather_from_tp, split_to_tp
 from ..sharding import REPLICATED, SP_REPLICATED, ParamLayout, shard, unshard
 from ._init import InitMethod, build_param, default_linear_init, skip_init
-from .overlap import all_gather_linear, linear_reduce_scatter
-
-
-def _gather_seq(x, group, seq_dim, async_op):
-    if seq_dim == 0:
-        return all_gather_dim0(x, group, async_op=async_op)
-    return all_gather_dim(x, group, seq_dim), None
-
-
-def _reduce_scatter_seq(x, group, seq_dim, async_op):
-    if seq_dim == 0:
-        return reduce_scatter_dim0(x, group, async_op=async_op)
-    return reduce_scatter_dim(x, group, seq_dim), None
-
-
-def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
-    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-
-
-class _ColumnParallelLinearFn(torch.autograd.Function):
-    """Linear on a TP-replicated or SP-sharded input, with the input communication fused in.
-
-    Forward: SP all-gathers ``[s/t, b, in] -> [s, b, in]`` for the matmul (plain TP: nothing).
-    Saves only the local input (the shard under SP) -- the paper's §4.2.2 memory saving.
-    Backward: SP re-gathers the shard asynchronously while computing ``grad_input``, then
-    reduce-scatters ``grad_input`` asynchronously while computing ``grad_weight``. Plain TP
-    all-reduces ``grad_input`` (the paper's f) asynchronously behind ``grad_weight``.
-    """
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, group, sequence_parallel, seq_dim):
-        ctx.group, ctx.sp, ctx.seq_dim = group, sequence_parallel, seq_dim
-        ctx.has_bias = bias is not None
-        ctx.autocast = (x.device.type, *_autocast_state(x.device.type))
-        if ctx.autocast[1]:
-            x = x.to(ctx.autocast[2])  # gather and save in the compute dtype
-        total = _gather_seq(x, group, seq_dim, False)[0] if sequence_parallel else x
-        ctx.save_for_backward(x, weight)
-        return F.linear(total, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        group, sp, seq_dim = ctx.group, ctx.sp, ctx.seq_dim
-        device_type, ac_enabled, ac_dtype = ctx.autocast
-        overlap = not torch.compiler.is_compiling()  # compiled graphs take no async work handles
-        with torch.autocast(device_type=device_type, dtype=ac_dtype, enabled=ac_enabled):
-            gather = None
-            if sp:
-                total, gather = _gather_seq(x, group, seq_dim, overlap)  # overlaps the matmul below
-            else:
-                total = x
-            grad_input = comm = None
-            if ctx.needs_input_grad[0]:
-                grad_input = grad_out.matmul(weight)  # [s, b, in]
-            if gather is not None:
-                gather.wait()
-            if grad_input is not None:
-                if sp:
-                    grad_input, comm = _reduce_scatter_seq(grad_input, group, seq_dim, overlap)
-                else:
-                    comm = all_reduce(grad_input, group, async_op=overlap)
-            go = grad_out.reshape(-1, grad_out.shape[-1])
-            grad_weight = go.t().matmul(total.reshape(-1, total.shape[-1])) if ctx.needs_input_grad[1] else None
-            grad_bias = go.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-            if comm is not None:
-                comm.wait()
-        return grad_input, grad_weight, grad_bias, None, None, None
-
-
-def _overlapped(sequence_parallel: bool, tp_overlap: bool) -> bool:
-    """Whether SP's collectives run chunk by chunk under the GEMMs (:mod:`seqpar.layers.overlap`).
-    Compiled graphs take the plain collectives (the compiler schedules, and on CUDA may fuse, them)."""
-    return sequence_parallel and tp_overlap and not torch.compiler.is_compiling()
-
-
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                           tp_group: ProcessGroup | None, sequence_parallel: bool = False,
-                           seq_dim: int = 0, tp_overlap: bool = False) -> torch.Tensor:
-    """``x [s, b, in]`` (replicated) or ``[s/t, b, in]`` (SP shard) times this rank's output rows
-    ``weight [out/t, in]`` -> ``[s, b, out/t]``. Under SP the all-gather (g) is fused into the matmul
-    and only the shard is kept for backward; plain TP all-reduces the input gradient (f).
-    ``tp_overlap`` (SP only): the all-gather cut into per-rank chunks, each under a chunk's GEMM."""
-    if group_size(tp_group) == 1:
-        return F.linear(x, weight, bias)
-    if _overlapped(sequence_parallel, tp_overlap):
-        return all_gather_linear(x, weight, bias, tp_group, seq_dim)
-    return _ColumnParallelLinearFn.apply(x, weight, bias, tp_group, sequence_parallel, seq_dim)
-
-
-def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                        tp_group: ProcessGroup | None, sequence_parallel: bool = False,
-                        seq_dim: int = 0, tp_overlap: bool = False) -> torch.Tensor:
-    """``x [s, b, in/t]`` times this rank's input columns ``weight [out, in/t]``: partial sums
-    all-reduced to ``[s, b, out]`` (f-bar) or reduce-scattered to ``[s/t, b, out]`` under SP
-    (g-bar). ``bias`` is added after the reduction. ``tp_overlap`` (SP only): the reduce-scatter
-    cut into per-rank chunks, each sent while the next chunk's partial product is computed."""
-    if group_size(tp_group) > 1 and _overlapped(sequence_parallel, tp_overlap):
-        out = linear_reduce_scatter(x, weight, tp_group, seq_dim)  # [s, b, in/t] -> [s/t, b, out]
-    elif sequence_parallel:
-        out = reduce_scatter_to_sp(F.linear(x, weight), tp_group, seq_dim)  # [s, b, out] -> [s/t, b, out]
-    else:
-        out = reduce_from_tp(F.linear(x, weight), tp_group)  # partial sums [s, b, out], all-reduced
-    return out + bias if bias is not None else out
+from .functional import column_parallel_linear, row_parallel_linear
 
 
 class _ParallelLinearBase(nn.Module):

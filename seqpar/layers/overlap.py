@@ -3,7 +3,7 @@
 SP's all-gather before a column-parallel GEMM (the paper's g) and its reduce-scatter after a
 row-parallel GEMM (g-bar) are cut into per-rank chunks, so that each chunk's transfer runs under
 another chunk's GEMM. The transfers are a ring of ``t-1`` point-to-point steps
-(:func:`~seqpar.distributed.collectives.ring_send_recv`), one shard each:
+(:func:`~seqpar.distributed.transfers.ring_send_recv`), one shard each:
 
 ======================  ====================================  =========================================
 function                forward                               backward
@@ -28,15 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed.collectives import (
-    ProcessGroup,
-    async_tp_group_name,
-    fused_all_gather_matmul,
-    fused_matmul_reduce_scatter,
-    group_rank,
-    group_size,
-    ring_send_recv,
-)
+from ..distributed.collectives import ProcessGroup, group_rank, group_size
+from ..distributed.transfers import async_tp_group_name, fused_all_gather_matmul, fused_matmul_reduce_scatter, ring_send_recv
 
 
 def _rows(x: torch.Tensor, chunk: int, n: int) -> torch.Tensor:

@@ -18,6 +18,7 @@ import math
 import torch
 import torch.nn as nn
 
+from ..distributed.collectives import group_size
 from ..distributed.context import ContextParallel
 from ..distributed.rng import RNGStreams
 from ..layers import ColumnParallelLinear, RowParallelLinear
@@ -109,7 +110,7 @@ class SelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, tp_group, streams: RNGStreams, layer_std: tuple[float, float],
                  rope: RopeTables | None = None, cp: ContextParallel | None = None):
         super().__init__()
-        t = self.t = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+        t = self.t = group_size(tp_group)
         h, dt, sp = config.hidden, config.torch_dtype, config.sequence_parallel
         a, g, d = config.heads, config.num_kv_heads, config.head_dim
         std, out_std = layer_std

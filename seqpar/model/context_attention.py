@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from ..distributed.collectives import all_gather_dim0, reduce_scatter_dim0
-from ..distributed.context import ContextParallel, context_chunks, context_positions, ring_shift
+from ..distributed.context import ContextParallel, context_chunks, context_positions
+from ..distributed.transfers import ring_send_recv
 from .context_kernels import Blocks
 
 
@@ -112,7 +113,7 @@ def _ring_forward(qs, k, v, cp: ContextParallel, blocks: Blocks, dtype):
     kv = torch.stack([k, v])                                          # [2, s/cp, b, g, d]
     acc = [(None, None), (None, None)]
     for step in range(cp.size):
-        pending = ring_shift([kv], cp, tag=step) if step < cp.size - 1 else None
+        pending = ring_send_recv([kv], cp.group, tag=step) if step < cp.size - 1 else None
         src = (cp.rank - step) % cp.size
         kb = kv.to(dtype).permute(0, 2, 3, 1, 4)                       # [2, b, g, s/cp, d]
         for i, j, causal in _pairs(mine, context_chunks(src, cp.size)):
@@ -128,7 +129,7 @@ def _ring_backward(qs, k, v, grads, cp: ContextParallel, blocks: Blocks, dtype):
     kv = torch.stack([k, v])
     dqs, sent = [torch.zeros_like(q) for q in qs], None
     for step in range(n):
-        pending = ring_shift([kv], cp, tag=2 * step) if step < n - 1 else None
+        pending = ring_send_recv([kv], cp.group, tag=2 * step) if step < n - 1 else None
         src = (cp.rank - step) % n
         kb = kv.to(dtype).permute(0, 2, 3, 1, 4)                       # [2, b, g, s/cp, d]
         dkv = torch.zeros_like(kb)
@@ -140,7 +141,7 @@ def _ring_backward(qs, k, v, grads, cp: ContextParallel, blocks: Blocks, dtype):
             dkv[1][:, :, rows] += dv
         if sent is not None:  # the gradient of this block so far, from the ranks before
             dkv += sent.wait()[0]
-        sent = ring_shift([dkv], cp, tag=2 * step + 1)
+        sent = ring_send_recv([dkv], cp.group, tag=2 * step + 1)
         if pending is not None:
             kv = pending.wait()[0]
     dkv = sent.wait()[0].permute(0, 3, 1, 2, 4).to(k.dtype)           # [2, s/cp, b, g, d], this rank's own

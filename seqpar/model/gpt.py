@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from .. import sharding
 from ..distributed.collectives import check_group, group_rank, group_size
-from ..distributed.context import CPComm, check_context_layout
+from ..distributed.context import CPComm, ContextParallel, check_context_layout
 from ..distributed.mesh import ParallelMesh
 from ..distributed.rng import RNGStreams
 from ..errors import UserError
@@ -150,7 +150,7 @@ class GPT(nn.Module):
                 mark_sp_replicated(self.wpe)  # each rank adds the position rows of its own shard
             mark_sp_replicated(self.ln_f)
         if any(w.device != mesh.device for w in (*self.parameters(), *self.buffers())):
-            self.to(mesh.device)  # only when needed: fake tensors (seqpar.train.dryrun) cannot be swapped
+            self.to(mesh.device)  # only when needed: fake tensors (seqpar.tools.dryrun) cannot be swapped
         modes = config.layer_recompute()  # recompute: auto must have been resolved to per-layer modes
         self.set_recompute(config.recompute if modes is None else modes, config.recompute_method,
                            config.recompute_num_layers)

@@ -59,10 +59,8 @@ def pad_rows(dense: Mapping[str, torch.Tensor], padded: int, names: Iterable[str
 def check_token_ids(tokens: torch.Tensor, vocab: int) -> None:
     """Raise ``ValueError`` unless every id of ``tokens`` lies in ``[0, vocab)``: the padded rows
     must never be looked up. Checked on CPU only (on CUDA it would be a host sync per batch; the
-    data is range-checked when opened), and not on tensors without values (the fake tensors of
-    ``seqpar train --dry-run``), nor while compiling."""
-    from torch._subclasses.fake_tensor import is_fake
-    if tokens.device.type != "cpu" or not tokens.numel() or is_fake(tokens) or torch.compiler.is_compiling():
+    data is range-checked when opened), nor while compiling."""
+    if tokens.device.type != "cpu" or not tokens.numel() or torch.compiler.is_compiling():
         return
     low, high = int(tokens.min()), int(tokens.max())
     if low < 0 or high >= vocab:

@@ -21,10 +21,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from ..distributed.collectives import ProcessGroup, all_reduce, group_rank, group_size
+from ..distributed.collectives import ProcessGroup, all_reduce, group_rank, group_size, new_group
 from ..sharding import counted_parts, local_tensor, param_layouts, split_parameters
 from .fsdp import shard_rows
 
@@ -39,7 +38,7 @@ def tied_embedding_group(mesh) -> ProcessGroup | None:
         return mesh.pp_group
     mine, stage = None, dp * tp  # ranks per pipeline stage
     for j in range(stage):
-        group = dist.new_group([j, (p - 1) * stage + j])
+        group = new_group([j, (p - 1) * stage + j])
         if mesh.rank % stage == j:
             mine = group
     return mine

@@ -8,10 +8,9 @@ models: it pickles through the pp group). A dense dict of the whole model loads 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .. import sharding
-from ..distributed.collectives import group_size
+from ..distributed.collectives import all_gather_object, group_size
 from ..model.vocab import pad_rows
 
 
@@ -31,8 +30,7 @@ def gather_dense(local: dict[str, torch.Tensor], pp_group) -> dict[str, torch.Te
     stages (the tied table) must agree, which :meth:`PipelineParallel.step` guarantees."""
     if group_size(pp_group) == 1:
         return dict(local)
-    gathered: list = [None] * group_size(pp_group)
-    dist.all_gather_object(gathered, {k: v.cpu() for k, v in local.items()}, group=pp_group)
+    gathered = all_gather_object({k: v.cpu() for k, v in local.items()}, pp_group)
     merged: dict[str, torch.Tensor] = {}
     for d in gathered:
         merged.update(d)

@@ -13,8 +13,7 @@ import argparse
 import importlib.util
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import UserError
@@ -27,12 +26,19 @@ from .recompute import auto_recompute_layers, best_mix, stage_layer_ids
 from .report import breakdown, check_overrides, overrides, plot, table
 from .search import PAPER_SPACE, Candidate, Problem, SearchSpace, evaluate, search
 
-# --verify: (config, seqpar train overrides, GPUs, GPU) -> exit status; the dry run lives in
-# seqpar.train, above this package, so the seqpar command passes it in
-Verify = Callable[[str, list[str], int, GPU], int]
+@dataclass(frozen=True)
+class Planned:
+    """What a ``seqpar plan`` command chose: its exit status, the GPU, and the ``seqpar train``
+    overrides of the chosen layout (the best, or ``--layout``'s), which ``--verify`` dry-runs
+    (:mod:`seqpar.tools.plan_cli`)."""
+
+    status: int
+    gpu: GPU
+    overrides: list[str]
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """``seqpar plan``'s arguments (:mod:`seqpar.tools.plan_cli` adds ``--verify``)."""
     p = argparse.ArgumentParser(prog="seqpar plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", help="run config: a YAML file or a shipped name (paper/175b)")
@@ -59,8 +65,6 @@ def _parser() -> argparse.ArgumentParser:
                         ("--hbm-tbps", "custom: memory bandwidth, TB/s (default 2.039)")):
         p.add_argument(flag, type=float, help=help_)
     p.add_argument("--sms", type=int, help="custom: streaming multiprocessors (default 108)")
-    p.add_argument("--verify", action="store_true", help="then build the chosen layout (the best, or --layout) "
-                   "on fake tensors with seqpar train --dry-run --world GPUS and print it next to the prediction")
     return p
 
 
@@ -160,12 +164,9 @@ def _print_search(args, problem: Problem, sections: dict, name: str) -> list[str
     return items
 
 
-def run(args: argparse.Namespace, verify: Verify | None = None) -> int:
+def run(args: argparse.Namespace) -> Planned:
     """Carry out a parsed ``seqpar plan`` command; :class:`~seqpar.errors.UserError` for bad
-    values. ``verify``: what ``--verify`` calls with the config, the chosen layout's overrides, the
-    GPU count and the GPU."""
-    if args.verify and verify is None:
-        raise UserError("--verify runs through the seqpar command (seqpar plan ... --verify)")
+    values."""
     bad = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("gpus", "gpus_per_node", "top", "global_batch")
            if getattr(args, k) is not None and getattr(args, k) < 1]
     if bad:
@@ -180,20 +181,17 @@ def run(args: argparse.Namespace, verify: Verify | None = None) -> int:
     problem = Problem(sections["model"], args.gpus, gpu, batch, args.gpus_per_node, args.precision, args.headroom)
     name = path.stem.upper()
     if args.layout is None:
-        items = _print_search(args, problem, sections, name)
-        return verify(args.config, items, args.gpus, gpu) if args.verify else 0
+        return Planned(0, gpu, _print_search(args, problem, sections, name))
     c = evaluate(problem, parse_layout(args.layout, args.gpus))
     print(breakdown(c))
-    if args.verify:
-        items = overrides(c.layout, problem.model, batch, problem.precision, gpu.hbm_bytes / GIB)[0]
-        return verify(args.config, items, args.gpus, gpu)
-    return 0 if c.memory.fits else 1
+    items = overrides(c.layout, problem.model, batch, problem.precision, gpu.hbm_bytes / GIB)[0]
+    return Planned(0 if c.memory.fits else 1, gpu, items)
 
 
-def main(argv: list[str] | None = None, *, verify: Verify | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``seqpar plan``: bad input raises :class:`~seqpar.errors.UserError`, which the ``seqpar``
     command prints as one line (exit 2)."""
-    return run(_parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv), verify)
+    return run(parser().parse_intermixed_args(sys.argv[1:] if argv is None else argv)).status
 
 
 if __name__ == "__main__":

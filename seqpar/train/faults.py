@@ -13,9 +13,9 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from ..distributed.collectives import all_reduce, world_group
 from ..errors import UserError
 from ..sharding import local_tensor
 
@@ -117,8 +117,7 @@ def check_finite_weights(model: nn.Module, step: int) -> None:
     device = params[0][1].device if params else torch.device("cpu")  # the mesh's device (CUDA: NCCL)
     finite = torch.stack([torch.isfinite(p).all() for _, p in params]) if params else torch.ones(0, device=device)
     count = (~finite.bool()).sum(dtype=torch.float64).view(1)  # built on the device: no host copy
-    if dist.is_initialized():
-        dist.all_reduce(count)
+    all_reduce(count, world_group())
     total, *oks = torch.cat([count, finite.double()]).tolist()  # one host read
     bad = [n for (n, _), ok in zip(params, oks) if not ok]
     if total > 0:

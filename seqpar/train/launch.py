@@ -34,7 +34,8 @@ Every key with its default and what it does: docs/training.md (data sources, tok
 blends: docs/data.md; checkpoints and resuming: docs/checkpoints.md)."""
 
 
-def _parser() -> argparse.ArgumentParser:
+def parser() -> argparse.ArgumentParser:
+    """``seqpar train``'s arguments (``seqpar.tools.train_cli`` adds the dry run's)."""
     p = argparse.ArgumentParser(prog="seqpar train", description="Train a GPT model with tensor + sequence "
                                 "parallelism and selective recomputation.", epilog=EXAMPLES,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,44 +45,25 @@ def _parser() -> argparse.ArgumentParser:
                    help="start torchrun with this many local processes (ignored under torchrun)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="with --nproc-per-node: restarts torchrun may make; each resumes from the latest checkpoint")
-    dry = p.add_argument_group("dry run", "build one rank of a job of --world ranks on fake tensors (no GPU, no "
-                               "data), run one step and print what it holds and sends next to the planner")
-    dry.add_argument("--dry-run", action="store_true", help="dry-run the config instead of training it")
-    dry.add_argument("--world", type=int, help="with --dry-run: ranks of the job (GPUs)")
-    dry.add_argument("--rank", type=int, action="append", help="with --dry-run: a rank to build (repeat for "
-                     "more; default: the first rank of the first and of the last pipeline stage)")
-    dry.add_argument("--gpu", help="with --dry-run: a GPU of seqpar plan's table; a predicted peak above its "
-                     "memory fails")
-    dry.add_argument("--device", choices=("cuda", "cpu"), default="cuda", help="with --dry-run: the device the run "
-                     "is resolved for (train.precision auto, attention kernels; default cuda)")
-    dry.add_argument("--json", action="store_true", help="with --dry-run: print JSON")
     return p
 
 
-def _dry_run(args) -> int:
-    """``--dry-run``: :func:`seqpar.train.dryrun_report.main`."""
-    from ..config import load_run_config
-    from .dryrun_report import main as dry_run_main
-    if args.world is None:
-        raise UserError("--dry-run needs --world N, the ranks of the job")
-    try:
-        cfg = load_run_config(args.config, args.overrides)
-    except UserError as err:
-        raise UserError(f"every rank of {args.world}: {err}") from err
-    return dry_run_main(args.config or "defaults", cfg, world=args.world, ranks=args.rank, device=args.device,
-                        gpu=args.gpu, as_json=args.json)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    args = _parser().parse_intermixed_args(argv)
+def parse(arg_parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """``argv`` (default: the command line) parsed by :func:`parser` or a parser built on it; a
+    first ``key=value`` is an override, not a config."""
+    args = arg_parser.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     if args.config and "=" in args.config and not args.config.endswith((".yaml", ".yml")):
         args.overrides.insert(0, args.config)
         args.config = None
-    if args.dry_run:
-        return _dry_run(args)
-    if args.world is not None or args.rank or args.gpu or args.json:
-        raise UserError("--world, --rank, --gpu and --json go with --dry-run")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(parse(parser(), argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Train as parsed: here, or on ``--nproc-per-node`` local ranks started through torchrun."""
     from ..config import load_run_config
     cfg = load_run_config(args.config, args.overrides)  # fail fast, before any process is started
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
@@ -92,9 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg)
     finally:
-        import torch.distributed as dist
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        from ..distributed.mesh import destroy_parallel
+        destroy_parallel()
     if "LOCAL_RANK" in os.environ:  # a torchrun rank whose run finished (or stopped on a signal) cleanly
         _exit_now(0)
     return 0

@@ -10,17 +10,16 @@ resumes and runs the loop.
 
 Order of operations per optimizer step (:meth:`Trainer.train_step`), on every rank:
 set the step's learning rate -> the step's micro-batches, cut from its global batch (a function of
-seed and step only) -> the engine's forward/backward (:mod:`seqpar.parallel.engine` describes what
-happens inside it: micro-batches, precision, reductions over dp and TP) -> the engine's global-norm clip -> one world all-reduce
-carrying the mean loss, the stop flag and whether the grad norm is finite (:meth:`Trainer.agree`)
--> AdamW step, or, when the loss or the gradients are not finite, a stop naming the step or a
-skipped step (``train.nonfinite_grads``, ``max_skipped_steps``) -> grads zeroed. After the step,
+seed and step only) -> :func:`seqpar.train.step.run_step`, the one step function (the tools run it
+too): the engine's forward/backward, the global-norm clip, one world all-reduce carrying the mean
+loss, the stop flag and whether the grad norm is finite, the AdamW step -> when the loss or the
+gradients were not finite (no AdamW step), a stop naming the step or a skipped step
+(``train.nonfinite_grads``, ``max_skipped_steps``) -> grads zeroed. After the step,
 :meth:`Trainer.fit` logs, evaluates and checkpoints on their intervals (never NaN/inf weights nor
 right after a skipped step), and stops cleanly after a checkpoint when any rank received SIGTERM.
 """
 from __future__ import annotations
 
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -28,12 +27,12 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from .. import flops
 from ..checkpoint import data_identity, open_checkpoint_dir
 from ..config import RunConfig, dump
 from ..data import Batch, data_streams, load_corpus, tokenizer_attachment
+from ..distributed.collectives import all_reduce, group_size, world_group
 from ..distributed.mesh import ParallelMesh, init_parallel
 from ..parallel.data_parallel import state_bytes, state_line
 from ..parallel.compile import compile_seconds
@@ -46,6 +45,7 @@ from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, lr_at
 from .preflight import check_memory
 from .resolve import ResolvedRun, resolve_run
+from .step import agree, run_step
 
 
 @dataclass(frozen=True)
@@ -59,21 +59,9 @@ class StepMetrics:
     skipped: bool = False  # non-finite loss/grads under train.nonfinite_grads=skip: no optimizer step
 
 
-def step_flags(loss_sum: torch.Tensor, stop: bool, grad_norm: torch.Tensor | None = None) -> torch.Tensor:
-    """The step's one world all-reduce (:meth:`Trainer.agree`), before the host reads it: float64
-    ``[mean loss over the world, ranks asking to stop, ranks with a non-finite grad norm, grad norm]``."""
-    device = loss_sum.device
-    norm = torch.zeros((), device=device) if grad_norm is None else grad_norm.detach().to(device)
-    flag = torch.stack([loss_sum.double(), torch.full((), float(stop), dtype=torch.float64, device=device),
-                        (~torch.isfinite(norm)).double()])
-    if dist.is_initialized():
-        dist.all_reduce(flag)
-        flag[0] /= dist.get_world_size()
-    return torch.cat([flag, norm.double().view(1)])
-
-
 def _world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_group()
+    return group_size(world) if world is not None else int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _default_device() -> str:
@@ -212,11 +200,9 @@ class Trainer:
 
     def agree(self, loss_sum: torch.Tensor, stop: bool, grad_norm: torch.Tensor | None = None
               ) -> tuple[float, bool, bool, float]:
-        """One world all-reduce and one host read per step: the mean of ``loss_sum`` over the world
-        (= over dp; TP replicas agree), whether any rank passed ``stop`` and whether ``grad_norm``
-        is finite on every rank. Returns ``(loss, stop, finite, grad_norm)``, identical on all ranks."""
-        loss, stops, nonfinite, gnorm = step_flags(loss_sum, stop, grad_norm).tolist()
-        return loss, stops > 0, not nonfinite > 0, gnorm
+        """The step's one world all-reduce and host read (:func:`seqpar.train.step.agree`):
+        ``(loss, stop, finite, grad_norm)``, identical on all ranks."""
+        return agree(loss_sum, stop, grad_norm)
 
     @property
     def stop_requested(self) -> bool:
@@ -231,12 +217,10 @@ class Trainer:
         a row: :class:`NonFiniteError`, :class:`SkippedSteps`)."""
         tc = self.run.cfg.train
         lr = self.set_lr(step)
-        loss_sum = self.engine.forward_backward(self.micro_batches(step), timed=self._is_log_step(step + 1))
-        self.prefetch(step + 1)  # overlaps the next step's host-to-device copies with this one's tail
-        grad_norm = self.engine.clip(tc.grad_clip)
-        loss, stop, finite, grad_norm = self.agree(loss_sum, self.stop_requested, grad_norm)
-        grad_norm = grad_norm if finite else float("nan")  # the same on every rank
-        skipped = not (finite and math.isfinite(loss))
+        done = run_step(self.engine, self.optimizer, self.micro_batches(step), grad_clip=tc.grad_clip,
+                        stop=self.stop_requested, timed=self._is_log_step(step + 1),
+                        between=lambda: self.prefetch(step + 1))  # the next step's copies under this one's tail
+        loss, grad_norm, skipped = done.loss, done.grad_norm, done.skipped
         if skipped and tc.nonfinite_grads == "stop":
             self.optimizer.zero_grad(set_to_none=True)
             raise nonfinite_error(step, loss, grad_norm, self.checkpoints.good)
@@ -248,12 +232,11 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.skips.skip(step + 1, what, self.checkpoints.good)  # past train.max_skipped_steps: stop
         else:
-            self.optimizer.step()
             self.skips.take()
         if self.state is None:  # after the first step, when AdamW has its moments
             self.state = state_bytes(self.model, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
-        return StepMetrics(loss=loss, grad_norm=grad_norm, lr=lr, stop=stop, skipped=skipped)
+        return StepMetrics(loss=loss, grad_norm=grad_norm, lr=lr, stop=done.stop, skipped=skipped)
 
     # ---- evaluation, checkpoints, samples ------------------------------------------------------
 
@@ -266,10 +249,9 @@ class Trainer:
                              f"split (data.eval_fraction={cfg.data.eval_fraction}) is shorter than "
                              f"seq_len + 1 = {cfg.model.seq_len + 1} tokens")
         total = self.engine.evaluate(self.evals)
-        if dist.is_initialized():
-            dist.all_reduce(total)
-            total /= dist.get_world_size()
-        return float(total)
+        world = world_group()
+        all_reduce(total, world)
+        return float(total / group_size(world))
 
     def sample(self, prompt: str = "def ", max_new_tokens: int = 48) -> str:
         """Text continuing ``prompt`` (seeded by ``train.seed``); a collective under TP, call on every rank."""

@@ -1,6 +1,6 @@
 """``seqpar train CONFIG --dry-run --world N [--rank R ...] [--gpu NAME] [--json]``: the dry run's
-command: each rank built and stepped on fake tensors (:mod:`seqpar.train.dryrun`), printed as a
-table (or JSON) next to the planner's figures (:mod:`seqpar.train.dryrun_check`). Exit status 2
+command: each rank built and stepped on fake tensors (:mod:`seqpar.tools.dryrun`), printed as a
+table (or JSON) next to the planner's figures (:mod:`seqpar.tools.dryrun_check`). Exit status 2
 with one line per problem when the run would fail on the cluster."""
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ from ..errors import UserError
 from ..memory.units import human
 from ..plan.gpus import GPU, get_gpu
 from .dryrun import RankRun, default_ranks, dry_run_rank
-from .dryrun_check import VERIFY_TOLERANCE, Check, check_rank
-from .resolve import ResolvedRun, resolve_run
-
+from .dryrun_check import Check, check_rank
+from ..train.resolve import ResolvedRun, resolve_run
 
 
 def _ratio(a: float | None, b: float) -> str:
@@ -142,18 +141,4 @@ def main(name: str, cfg: RunConfig, *, world: int, ranks: list[int] | None, devi
     return 0
 
 
-def verify_plan(config: str, overrides: list[str], world: int, gpu: GPU) -> int:
-    """``seqpar plan ... --verify``: the planner's chosen layout (its ``seqpar train`` overrides on
-    ``config``) dry-run on ``world`` ranks against ``gpu``; a measured peak more than
-    :data:`~seqpar.train.dryrun_check.VERIFY_TOLERANCE` from the planner's fails it."""
-    from ..config import load_run_config
-    print(f"\nverify: seqpar train {config} {' '.join(overrides)} --dry-run --world {world} --gpu {gpu.name}\n")
-    try:
-        cfg = load_run_config(config, overrides)
-    except UserError as err:
-        raise UserError(f"every rank of {world}: {err}") from err
-    return main(config, cfg, world=world, ranks=None, device="cuda", gpu=gpu, as_json=False,
-                tolerance=VERIFY_TOLERANCE)
-
-
-__all__ = ["dry_run", "main", "rank_json", "rank_text", "report", "verify_plan"]
+__all__ = ["dry_run", "main", "rank_json", "rank_text", "report"]

@@ -24,7 +24,7 @@ from ..plan.layout import run_layout
 from ..plan.memory import allowance, stage_memory
 from ..plan.recompute import stage_layer_ids
 from .dryrun import RankRun
-from .resolve import ResolvedRun
+from ..train.resolve import ResolvedRun
 
 MEASURED = ("parameters", "gradients", "optimizer", "activations", "outside_layers")  # planner parts measured here
 # ``seqpar plan --verify``: how far the measured peak may lie from the planner's (the activation
@@ -88,16 +88,20 @@ def _layer_comm(run: ResolvedRun, r: RankRun, layers: list[int]) -> tuple[dict, 
 
 def required_collectives(run: ResolvedRun, r: RankRun) -> dict[tuple[str, str], tuple[str, float]]:
     """``(group, kind) -> (why, least bytes)`` for every collective this rank's step must issue: the
-    layers' §4.2.2 volume over tp, one activation per micro-batch each way between stages, the
-    gradients over dp (all-reduced, or under FSDP2 reduce-scattered and the parameters gathered:
-    the shards times the ranks sharing them), K/V over cp."""
+    layers' §4.2.2 volume over tp (under ``tp_overlap``, as ring steps), one activation per
+    micro-batch each way between stages, the gradients over dp (all-reduced, or under FSDP2
+    reduce-scattered and the parameters gathered: the shards times the ranks sharing them), K/V over cp."""
     mc, pc = run.cfg.model, run.cfg.parallel
     act = 4 if r.precision == "fp32" else 2
     s, b, units = mc.seq_len // pc.cp, run.cfg.train.micro_batch, mc.layers // pc.pp * r.micro_batches
     need: dict[tuple[str, str], tuple[str, float]] = {}
     paper = paper_layer_comm(s=s, b=b, h=mc.hidden, t=pc.tp, act=act, sequence_parallel=mc.sequence_parallel)
     what = "sequence parallelism's g / g-bar" if mc.sequence_parallel else "tensor parallelism's f / f-bar"
-    need.update({("tp", kind): (f"{what} in every layer", units * nbytes) for kind, (_, nbytes) in paper.items()})
+    if mc.sequence_parallel and pc.tp_overlap:  # each g / g-bar a ring of t-1 steps of one shard: (t-1)/t of it
+        ring = sum(nbytes for _, nbytes in paper.values()) * (pc.tp - 1) / pc.tp
+        need[("tp", "send_recv")] = (f"{what} in every layer, as rings (parallel.tp_overlap)", units * ring)
+    else:
+        need.update({("tp", kind): (f"{what} in every layer", units * nbytes) for kind, (_, nbytes) in paper.items()})
     if pc.pp > 1:
         one = s * b * mc.hidden * act / (pc.tp if mc.sequence_parallel else 1)
         need.update({("pp", k): ("activations and their gradients between pipeline stages", r.micro_batches * one)

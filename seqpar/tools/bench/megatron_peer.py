@@ -13,12 +13,12 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..memory import ActivationLedger
-from ..model.modes import RECOMPUTE_MODES
-from ..sharding import copy_into, interleave
+from ...distributed.collectives import all_reduce_coalesced, backend_of, group_ranks, world_group
+from ...memory import ActivationLedger
+from ...model.modes import RECOMPUTE_MODES
+from ...sharding import copy_into, interleave
 from .peer import BenchShape, Recompute
 
 LAYER_PATTERN = r"decoder\.layers\.\d+"  # Megatron's transformer layers: decoder.layers.3
@@ -217,7 +217,7 @@ class MegatronPeer:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         if shape.dtype not in _DTYPES:
             raise ValueError(f"MegatronPeer: dtype must be one of {tuple(_DTYPES)}, got {shape.dtype!r}")
-        self.cpu = not (torch.cuda.is_available() and dist.get_backend() == "nccl")
+        self.cpu = not (torch.cuda.is_available() and backend_of(world_group()) == "nccl")
         self.device = torch.device("cpu") if self.cpu else torch.device("cuda", torch.cuda.current_device())
         with megatron_patches(self.cpu):
             self._build(shape, dense_state, tp_group, tp_rank, tp_size, recompute, sequence_parallel)
@@ -253,8 +253,8 @@ class MegatronPeer:
             parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp_size,
                                                      create_gloo_process_groups=False)
         group = parallel_state.get_tensor_model_parallel_group()
-        want = [dist.get_rank()] if tp_group is None else dist.get_process_group_ranks(tp_group)
-        have = dist.get_process_group_ranks(group)
+        want = group_ranks(tp_group)
+        have = group_ranks(group)
         if sorted(want) != sorted(have):
             raise ValueError(f"MegatronPeer: Megatron's TP group is ranks {have} but tp_group is ranks {want}; "
                              "Megatron groups consecutive ranks")
@@ -279,13 +279,7 @@ class MegatronPeer:
     def _allreduce_sp_grads(self) -> None:
         """Sum the gradients of the ``sequence_parallel``-tagged weights (norms, row-parallel
         biases) over TP: each rank saw only its ``s/t`` rows. One coalesced all-reduce."""
-        grads = [p.grad for p in self.sp_params if p.grad is not None]
-        if not grads or dist.get_world_size(self.group) == 1:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.group)
-        for g, synced in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(synced.view_as(g))
+        all_reduce_coalesced([p.grad for p in self.sp_params if p.grad is not None], self.group)
 
     def step(self, tokens: torch.Tensor, labels: torch.Tensor) -> float:
         with megatron_patches(self.cpu):

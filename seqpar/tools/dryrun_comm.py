@@ -6,11 +6,11 @@ Two sources, one table (:class:`StepComm`):
   cross-entropy's all-reduces, gradient sums, the clip) are recorded by what they compute
   (``reduce_scatter`` even where gloo runs it as an all-to-all);
 * every other ``torch.distributed`` operation (FSDP2's gathers and reduce-scatters, the pipeline
-  schedule's sends and receives, DDP's buckets, the Trainer's one world all-reduce) is seen at the
-  dispatcher, as the ``c10d`` operator it runs (:class:`RawCollectives`), except the operators
-  seqpar's collectives issue right after recording themselves.
+  schedule's sends and receives, DDP's buckets) is seen at the dispatcher, as the ``c10d`` operator
+  it runs (:class:`RawCollectives`), except the operators seqpar's collectives issue right after
+  recording themselves: each tells how many it issues, and :class:`StepComm` skips that many.
 
-Bytes follow :class:`~seqpar.distributed.collectives.CommCounter`: the full tensor a collective
+Bytes follow :class:`~seqpar.distributed.comm_counter.CommCounter`: the full tensor a collective
 operates on (an all-gather's output, a reduce-scatter's input, an all-reduce's tensor, what a send
 sends). :class:`LayerScope` tells which collectives a transformer layer issued, forward (module
 hooks) and backward (hooks on the gradients of the layer's output and input), so the per-layer
@@ -22,44 +22,28 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..distributed.collectives import CommCounter, ProcessGroup, claimed, count_comm
+from ..distributed.collectives import ProcessGroup, world_group
+from ..distributed.comm_counter import CommCounter, c10d_collective, count_comm
 from ..distributed.mesh import ParallelMesh
 from ..model.gpt import Block
 
-# c10d operator -> (kind, index of the argument whose tensors count): see the module docstring
-C10D_OPS: dict[str, tuple[str, int]] = {
-    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0),
-    "_allgather_base_": ("all_gather", 0), "allgather_": ("all_gather", 0),
-    "allgather_into_tensor_coalesced_": ("all_gather", 0), "allgather_coalesced_": ("all_gather", 0),
-    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_": ("reduce_scatter", 1),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1), "alltoall_base_": ("all_to_all", 1),
-    "alltoall_": ("all_to_all", 1), "broadcast_": ("broadcast", 0), "send": ("send", 0), "recv_": ("recv", 0),
-    "barrier": ("barrier", 0), "reduce_": ("reduce", 0), "gather_": ("gather", 1), "scatter_": ("scatter", 0),
-}
-
-
-def _nbytes(x) -> int:
-    if torch.is_tensor(x):
-        return x.numel() * x.element_size()
-    if isinstance(x, (list, tuple)):
-        return sum(_nbytes(y) for y in x)
-    return 0
-
 
 def group_names(mesh: ParallelMesh, extra: dict[str, ProcessGroup | None] | None = None) -> dict[str, str]:
-    """``group_name -> label`` for the mesh's groups (tp, cp, dp, pp, dp x cp), ``extra`` ones and
-    the world (a group the mesh names keeps the mesh's name)."""
+    """``group_name -> label`` for the mesh's groups (tp, cp, dp, pp, dp x cp: ``cp`` at dp = 1),
+    ``extra`` ones and the world (a group the mesh names keeps the mesh's name)."""
     groups = dict(extra or {})  # the mesh's own names win for the same group (p = 2: the tied pair is pp)
     if mesh.cp_size > 1 and mesh.dp_size > 1:
         groups["dp x cp"] = mesh.dp_cp_mesh.get_group()
     groups.update({"tp": mesh.tp_group, "cp": mesh.cp_group, "dp": mesh.dp_group, "pp": mesh.pp_group})
     out = {g.group_name: name for name, g in groups.items() if g is not None}
-    if dist.is_initialized():
-        out.setdefault(dist.group.WORLD.group_name, "world")
+    if mesh.cp_size > 1 and mesh.dp_size == 1:  # FSDP2's and DDP's dp x cp group: the cp ranks, another name
+        out.setdefault(mesh.dp_cp_mesh.get_group().group_name, "cp")
+    world = world_group()
+    if world is not None:
+        out.setdefault(world.group_name, "world")
     return out
 
 
@@ -105,7 +89,9 @@ class LayerScope:
 
 class StepComm(CommCounter):
     """Collectives by ``(group label, kind)``: ``rows`` of ``[calls, bytes]``, and ``in_layers``, the
-    part transformer layers issued (when a :class:`LayerScope` is attached)."""
+    part transformer layers issued (when a :class:`LayerScope` is attached). ``pending``: the
+    ``torch.distributed`` operators seqpar's collectives announced (:meth:`record`) and
+    :meth:`observe` has not seen yet."""
 
     def __init__(self, names: dict[str, str]):
         super().__init__()
@@ -113,6 +99,7 @@ class StepComm(CommCounter):
         self.rows: dict[tuple[str, str], list[int]] = {}
         self.in_layers: dict[tuple[str, str], list[int]] = {}
         self.scope: LayerScope | None = None
+        self.pending = 0
 
     def label(self, group: ProcessGroup | None) -> str:
         if group is None:
@@ -127,22 +114,25 @@ class StepComm(CommCounter):
             row[0] += 1
             row[1] += nbytes
 
+    def record(self, kind: str, nbytes: int, group: ProcessGroup | None, ops: int) -> None:
+        super().record(kind, nbytes, group, ops)
+        self.pending += ops
+
+    def observe(self, func, args) -> None:
+        """Count ``func(*args)``, seen at the dispatcher, when it is a ``c10d`` operator that seqpar's
+        collectives did not announce (each announces its operators right before issuing them)."""
+        seen = c10d_collective(func, args)
+        if seen is None:
+            return
+        if self.pending > 0:
+            self.pending -= 1
+            return
+        self.add(*seen)
+
     def table(self) -> list[dict]:
         """One dict per ``(group, kind)``: calls and bytes of the step, and of them inside layers."""
         return [{"group": g, "kind": k, "calls": c, "bytes": n, "layer_calls": self.in_layers.get((g, k), [0, 0])[0],
                  "layer_bytes": self.in_layers.get((g, k), [0, 0])[1]} for (g, k), (c, n) in sorted(self.rows.items())]
-
-
-def count_c10d(comm: StepComm, func, args) -> None:
-    """Count ``func(*args)`` into ``comm`` when it is a ``c10d`` operator that seqpar's collectives
-    did not record themselves."""
-    if func.namespace != "c10d" or claimed():
-        return
-    name = func._schema.name.split("::")[-1]
-    kind, index = C10D_OPS.get(name, (name, 0))
-    group = next((dist.ProcessGroup.unbox(a) for a in args if isinstance(a, torch.ScriptObject)
-                  and "ProcessGroup" in str(a._type())), None)
-    comm.add(kind, _nbytes(args[index]) if index < len(args) else 0, group)
 
 
 class RawCollectives(TorchDispatchMode):
@@ -154,14 +144,14 @@ class RawCollectives(TorchDispatchMode):
         self.comm = comm
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        count_c10d(self.comm, func, args)
+        self.comm.observe(func, args)
         return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
 def record_step(module: nn.Module, names: dict[str, str], *, raw: bool = True) -> Iterator[StepComm]:
     """Inside the block, every collective of ``module``'s training step into a :class:`StepComm`;
-    ``raw=False`` leaves the ``c10d`` operators to the caller (:func:`count_c10d`)."""
+    ``raw=False`` leaves the ``c10d`` operators to the caller (:meth:`StepComm.observe`)."""
     comm = StepComm(names)
     comm.scope = LayerScope(module)
     try:
@@ -171,4 +161,4 @@ def record_step(module: nn.Module, names: dict[str, str], *, raw: bool = True) -
         comm.scope.close()
 
 
-__all__ = ["C10D_OPS", "LayerScope", "RawCollectives", "StepComm", "count_c10d", "group_names", "record_step"]
+__all__ = ["LayerScope", "RawCollectives", "StepComm", "group_names", "record_step"]

@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from ..model.modes import RecomputeMode as Recompute
+from ...model.modes import RecomputeMode as Recompute
 
 
 @dataclass(frozen=True)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed.grad_sync import sync_sp_replicated_grads
-from ..distributed.mesh import ParallelMesh
-from ..memory.ledger import ActivationLedger
-from ..model import GPT, GPTConfig
+from ...distributed.grad_sync import sync_sp_replicated_grads
+from ...distributed.mesh import ParallelMesh
+from ...memory.ledger import ActivationLedger
+from ...model import GPT, GPTConfig
 from .peer import BenchShape, Recompute
 
 
@@ -47,7 +47,7 @@ class OverlapPeer(SeqparPeer):
 
     def build(self, *args, **kwargs):
         super().build(*args, **kwargs)
-        from ..parallel.apply import apply_tp_overlap
+        from ...parallel.apply import apply_tp_overlap
         apply_tp_overlap(self.model, True)
 
 
@@ -57,7 +57,7 @@ class CompiledPeer(SeqparPeer):
 
     def build(self, *args, **kwargs):
         super().build(*args, **kwargs)
-        from ..parallel.compile import compile_blocks
+        from ...parallel.compile import compile_blocks
         compile_blocks(self.model)
 
     def saved_bytes_per_layer(self, tokens, labels) -> float:

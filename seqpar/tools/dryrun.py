@@ -2,22 +2,24 @@
 
 Rank ``R`` of a job of ``N`` ranks is built through the code that trains it: the run resolved by
 :func:`~seqpar.train.resolve.resolve_run`, the mesh of :func:`~seqpar.distributed.mesh.init_parallel`
-over a fake process group of ``N`` ranks (``torch.testing``'s ``FakeStore``, backend ``"fake"``:
-collectives return at once, nothing is sent), and under ``FakeTensorMode`` (tensors with shapes,
-dtypes and devices but no storage) the step engine of :func:`~seqpar.parallel.engine.build_engine`
-(this rank's layers and shards only, FSDP2 or its pipeline stages), the precision recipe and AdamW.
-It then runs one optimizer step as :meth:`Trainer.train_step <seqpar.train.trainer.Trainer.train_step>`
-does, on fake token batches: every micro-batch's forward and backward (a pipeline rank: one
-schedule's worth), the clip, the step's world all-reduce, the optimizer step, with ``attention: sdpa``
-run as the target device runs it (:mod:`seqpar.train.dryrun_sdpa`). What is measured is
-read from those tensors: training-state bytes (:func:`~seqpar.parallel.data_parallel.state_bytes`),
-the peak of the saved activations (the engines' own ledgers), every collective by kind, group and
-bytes (:mod:`seqpar.train.dryrun_comm`). No data is read and nothing is written.
+over a fake process group of ``N`` ranks (:func:`~seqpar.distributed.local.fake_world`: collectives
+return at once, nothing is sent), and under ``FakeTensorMode`` (tensors with shapes, dtypes and
+devices but no storage) the step engine of :func:`~seqpar.parallel.engine.build_engine` (this
+rank's layers and shards only, FSDP2 or its pipeline stages), the precision recipe and AdamW. It
+then runs the Trainer's own step function, :func:`~seqpar.train.step.run_step`, on token batches of
+the run's shapes: every micro-batch's forward and backward (a pipeline rank: one schedule's worth),
+the clip, the step's world all-reduce, the optimizer step, with ``attention: sdpa`` run as the
+target device runs it (:mod:`seqpar.tools.dryrun_sdpa`). What is measured is observed from outside:
+training-state bytes (:func:`~seqpar.parallel.data_parallel.state_bytes`), the peak of the saved
+activations (the engines' own ledgers), every collective by kind, group and bytes
+(:mod:`seqpar.tools.dryrun_comm`). No data is read and nothing is written.
 
-What a fake run cannot read is a tensor's value. Where seqpar checks values (token ids in range)
-it skips fake tensors; the pipeline schedule's warm-up vote (every stage has static shapes) is
-answered as the peers would answer it (:class:`FakeRun`); any other read stops the run naming
-the line.
+What a fake run cannot read is a fake tensor's value. The token batches are real (zeros, a few
+kilobytes), and :class:`FakeRun` computes what depends on them alone for real, so the model's
+checks of token ids run as they do in training. Two reads of fake values are answered as every
+rank would answer them: the pipeline schedule's warm-up vote (every stage has static shapes) and
+the step's flags (a finite loss, no stop, finite gradients: the optimizer step is taken). Any
+other read stops the run naming the line.
 """
 from __future__ import annotations
 
@@ -30,21 +32,28 @@ from pathlib import Path
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, unset_fake_temporarily
 from torch.nn.modules.module import register_module_module_registration_hook
+from torch.utils._pytree import tree_leaves
 
+from ..distributed.collectives import world_group
+from ..distributed.local import fake_world
 from ..distributed.mesh import ParallelMesh, init_parallel
 from ..errors import UserError
 from ..model.gpt import Block
 from ..parallel.data_parallel import state_bytes
 from ..parallel.engine import PipelineEngine, StepEngine, build_engine
-from .dryrun_comm import count_c10d, group_names, record_step
-from .dryrun_sdpa import TargetAttention
-from .optim import build_optimizer
 from ..parallel.precision import Precision, resolve_precision
-from .resolve import ResolvedRun
-from .trainer import step_flags
+from ..train import step as train_step
+from ..train.optim import build_optimizer
+from ..train.resolve import ResolvedRun
+from .dryrun_comm import StepComm, group_names, record_step
+from .dryrun_sdpa import TargetAttention
+
+# value reads a fake step cannot compute, answered as every rank would answer them:
+# (function, a part of its file's path) -> the value read
+ANSWERS = {("_warmup_p2p", "pipelining"): 1,        # the schedule's warm-up vote: every stage has static shapes
+           ("agree", train_step.__file__): 0}        # the step's flags: finite loss, no stop, finite gradients
 
 
 @dataclass
@@ -68,34 +77,50 @@ class RankRun:
 
 
 class FakeRun(FakeTensorMode):
-    """``FakeTensorMode`` for a dry run. Real tensors met inside (generator states) are converted,
-    never computed on. The ``c10d`` operators are counted into ``comm`` when set (one Python mode,
-    not two, on every operator). And it answers what a fake run cannot compute, a tensor's value,
-    where the peers' answer is known: the pipeline schedule's warm-up vote (``_warmup_p2p``: 1,
-    every stage has static shapes, as seqpar gives every stage its input and output shapes); a
-    constant the mode knows (AdamW's step count) is read as usual; any other read raises naming
-    the line."""
+    """``FakeTensorMode`` for a dry run. An operator on plain real tensors only (the token batches,
+    what is computed from them alone, generator states) runs on them for real; any fake argument
+    makes the result fake. The ``c10d`` operators are counted into ``comm`` when set (one Python
+    mode, not two, on every operator). And it answers what a fake run cannot compute, a fake
+    tensor's value, where the peers' answer is known (:data:`ANSWERS`); a constant the mode knows
+    (AdamW's step count) is read as usual; any other read raises naming the line."""
 
     def __init__(self):
         super().__init__(allow_non_fake_inputs=True)
-        self.comm = None
+        self.comm: StepComm | None = None
 
     def dispatch(self, func, types, args=(), kwargs=None):
         if self.comm is not None:
-            count_c10d(self.comm, func, args)
+            self.comm.observe(func, args)
+        if func not in self.lift_fns and _real_only(args, kwargs):
+            return func(*args, **(kwargs or {}))
         if func is not torch.ops.aten._local_scalar_dense.default:
             return super().dispatch(func, types, args, kwargs)
         try:
             return super().dispatch(func, types, args, kwargs)
         except DataDependentOutputException:
-            frame = sys._getframe(1)
-            while frame is not None:
-                code = frame.f_code
-                if code.co_name == "_warmup_p2p" and "pipelining" in code.co_filename:
-                    return 1
-                frame = frame.f_back
-            raise RuntimeError(f"the step reads a tensor's value ({_caller()}), which a dry run on fake tensors "
-                               f"cannot; values may be read only outside the training step") from None
+            answer = _answer()
+            if answer is None:
+                raise RuntimeError(f"the step reads a tensor's value ({_caller()}), which a dry run on fake "
+                                   f"tensors cannot; values may be read only outside the training step") from None
+            return float(answer) if args[0].is_floating_point() else answer
+
+
+def _real_only(args, kwargs) -> bool:
+    """Whether the operator's tensor arguments are all plain real tensors (and there is one)."""
+    tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+    return bool(tensors) and all(type(x) is torch.Tensor for x in tensors)
+
+
+def _answer() -> int | None:
+    """The :data:`ANSWERS` value of the innermost caller it names, else None."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        for (name, where), value in ANSWERS.items():
+            if code.co_name == name and where in code.co_filename:
+                return value
+        frame = frame.f_back
+    return None
 
 
 def _caller() -> str:
@@ -107,19 +132,6 @@ def _caller() -> str:
     if frame is None:
         return "inside torch"
     return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno} ({frame.f_code.co_name})"
-
-
-@contextlib.contextmanager
-def fake_world(world: int, rank: int) -> Iterator[None]:
-    """The default process group as rank ``rank`` of ``world`` fake ranks, destroyed after."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    if dist.is_initialized():
-        raise UserError("a dry run needs a process without a process group (it makes a fake one of its own)")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def reset_peak_rss() -> None:
@@ -138,10 +150,11 @@ def peak_rss() -> int:
 
 
 def fake_batches(run: ResolvedRun) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The step's micro-batches on this rank: ``accum`` pairs of token ids ``[micro_batch, seq_len]``
-    (fake under the caller's FakeTensorMode: shapes only)."""
+    """The step's micro-batches on this rank: ``accum`` pairs of token ids ``[micro_batch, seq_len]``,
+    real zeros even under the caller's FakeTensorMode (the model checks token ids' values)."""
     shape = (run.cfg.train.micro_batch, run.cfg.model.seq_len)
-    return [(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)) for _ in range(run.accum)]
+    with unset_fake_temporarily():
+        return [(torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)) for _ in range(run.accum)]
 
 
 def build(run: ResolvedRun, mesh: ParallelMesh, device: str) -> tuple[StepEngine, torch.optim.Optimizer, Precision]:
@@ -150,8 +163,10 @@ def build(run: ResolvedRun, mesh: ParallelMesh, device: str) -> tuple[StepEngine
     tc = run.cfg.train
     precision = Precision(resolve_precision(tc.precision, torch.device(device)), mesh.device,
                           fsdp=run.dp_mode == "fsdp")
-    if run.dp_mode == "ddp" and mesh.dp_size > 1 and mesh.pp_size == 1 and not precision.master_weights:
-        raise UserError(f"data_parallel=ddp over dp={mesh.dp_size} in {precision.name} runs torch's "
+    replicas = mesh.dp_size * mesh.cp_size  # DDP reduces over dp x cp
+    if run.dp_mode == "ddp" and replicas > 1 and mesh.pp_size == 1 and not precision.master_weights:
+        over = f"dp={mesh.dp_size}" + (f" x cp={mesh.cp_size}" if mesh.cp_size > 1 else "")
+        raise UserError(f"data_parallel=ddp over {over} in {precision.name} runs torch's "
                         f"DistributedDataParallel, whose C++ reducer needs real tensors: a dry run cannot build it "
                         f"(train.precision=bf16 reduces through seqpar's own gradient buckets, "
                         f"parallel.data_parallel=fsdp through FSDP2)")
@@ -188,25 +203,25 @@ def saved_activations(engine: StepEngine) -> dict[str, int]:
 
 def step(run: ResolvedRun, engine: StepEngine, optimizer: torch.optim.Optimizer, names: dict[str, str],
          mode: FakeRun | None = None):
-    """One optimizer step in :meth:`Trainer.train_step`'s order; returns ``(StepComm, state bytes)``.
-    ``mode``: the dry run's :class:`FakeRun`, which counts the ``c10d`` operators (else a
-    :class:`~seqpar.train.dryrun_comm.RawCollectives` mode does)."""
+    """One optimizer step by the Trainer's step function (:func:`~seqpar.train.step.run_step`), its
+    collectives recorded; returns ``(StepComm, state bytes)``. ``mode``: the dry run's
+    :class:`FakeRun`, which counts the ``c10d`` operators (else a
+    :class:`~seqpar.tools.dryrun_comm.RawCollectives` mode does)."""
     with record_step(engine.module, names, raw=mode is None) as comm:
         if mode is not None:
             mode.comm = comm
-        loss_sum = engine.forward_backward(fake_batches(run))
-        grad_norm = engine.clip(run.cfg.train.grad_clip)
-        step_flags(loss_sum, False, grad_norm)
-        optimizer.step()
-    if mode is not None:
-        mode.comm = None
+        try:
+            train_step.run_step(engine, optimizer, fake_batches(run), grad_clip=run.cfg.train.grad_clip)
+        finally:
+            if mode is not None:
+                mode.comm = None
     state = state_bytes(engine.module, optimizer)
     optimizer.zero_grad(set_to_none=True)
     return comm, state
 
 
 def step_group_names(mesh: ParallelMesh, engine: StepEngine) -> dict[str, str]:
-    """The labels of the groups a step of ``engine`` talks over (:func:`~seqpar.train.dryrun_comm.group_names`
+    """The labels of the groups a step of ``engine`` talks over (:func:`~seqpar.tools.dryrun_comm.group_names`
     with the pipeline's tied first + last stage pair)."""
     tied = getattr(getattr(engine, "pipe", None), "tied_group", None)
     return group_names(mesh, {"first + last stage": tied})
@@ -219,6 +234,8 @@ def _coords(mesh: ParallelMesh) -> dict[str, tuple[int, int]]:
 
 def _run_rank(run: ResolvedRun, rank: int, device: str) -> RankRun:
     pc = run.cfg.parallel
+    if world_group() is not None:
+        raise UserError("a dry run needs a process without a process group (it makes a fake one of its own)")
     with fake_world(run.world_size, rank):
         mesh = init_parallel(pc.tp, run.dp, pp=pc.pp, cp=pc.cp)
         if mesh.cp_size > 1:
@@ -256,5 +273,5 @@ def default_ranks(world: int, pp: int) -> list[int]:
     return sorted({0, (pp - 1) * (world // pp)})
 
 
-__all__ = ["FakeRun", "RankRun", "build", "count_built_layers", "default_ranks", "dry_run_rank", "fake_batches",
-           "fake_world", "peak_rss", "reset_peak_rss", "saved_activations", "step", "step_group_names"]
+__all__ = ["ANSWERS", "FakeRun", "RankRun", "build", "count_built_layers", "default_ranks", "dry_run_rank",
+           "fake_batches", "peak_rss", "reset_peak_rss", "saved_activations", "step", "step_group_names"]

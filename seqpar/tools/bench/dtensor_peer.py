@@ -24,8 +24,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_modul
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
                                                SequenceParallel, loss_parallel, parallelize_module)
 
-from ..memory import ActivationLedger
-from ..model.modes import RECOMPUTE_MODES
+from ...memory import ActivationLedger
+from ...model.modes import RECOMPUTE_MODES
 from .peer import BenchShape, Recompute
 
 

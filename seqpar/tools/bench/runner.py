@@ -12,23 +12,23 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
 
-from ..distributed.collectives import count_comm
-from ..distributed.local import run_local
-from ..model import GPT
+from ...distributed.collectives import barrier, group_rank, group_size, world_group
+from ...distributed.comm_counter import count_comm
+from ...distributed.local import run_local
+from ...model import GPT
 from .peer import BenchShape
-from ..distributed.mesh import ParallelMesh
+from ...distributed.mesh import ParallelMesh
 from .seqpar_peer import gpt_config
 
 COLLECTIVE_TIMEOUT_S = 300  # a rank stuck in a collective fails the run instead of hanging it
 
 PEERS = {
-    "seqpar": "seqpar.bench.seqpar_peer:SeqparPeer",
-    "seqpar-overlap": "seqpar.bench.seqpar_peer:OverlapPeer",
-    "seqpar-compiled": "seqpar.bench.seqpar_peer:CompiledPeer",
-    "megatron-core": "seqpar.bench.megatron_peer:MegatronPeer",
-    "dtensor": "seqpar.bench.dtensor_peer:DTensorPeer",
+    "seqpar": "seqpar.tools.bench.seqpar_peer:SeqparPeer",
+    "seqpar-overlap": "seqpar.tools.bench.seqpar_peer:OverlapPeer",
+    "seqpar-compiled": "seqpar.tools.bench.seqpar_peer:CompiledPeer",
+    "megatron-core": "seqpar.tools.bench.megatron_peer:MegatronPeer",
+    "dtensor": "seqpar.tools.bench.dtensor_peer:DTensorPeer",
 }
 
 
@@ -65,7 +65,8 @@ def measure(shape: BenchShape, systems: list[str], recomputes: list[str], *, rep
             log=print) -> dict:
     """On every rank of an initialised world (the TP group): build, probe and time every
     configuration. Returns the results plus seqpar's per-step communication (SP vs plain TP)."""
-    group, rank, t = dist.group.WORLD, dist.get_rank(), dist.get_world_size()
+    group = world_group()
+    rank, t = group_rank(group), group_size(group)
     tokens, labels = _batch(shape, 0)
     reference = GPT(gpt_config(shape, "none"), ParallelMesh.for_tp_group(group), seed=0)
     dense = reference.dense_state_dict()
@@ -90,10 +91,10 @@ def measure(shape: BenchShape, systems: list[str], recomputes: list[str], *, rep
                     f"saved {saved / 2**20:.2f} MiB/layer")
     for i in range(warmup + repeats):
         for peer, res in configs:
-            dist.barrier()
+            barrier(world_group())
             t0 = time.perf_counter()
             peer.step(tokens, labels)
-            dist.barrier()
+            barrier(world_group())
             if i >= warmup:
                 res.times.append(time.perf_counter() - t0)
         if rank == 0 and i >= warmup:
@@ -110,7 +111,7 @@ def gemm_rate(shape: BenchShape, t: int, repeats: int = 20) -> float:
     w = torch.randn(shape.hidden, 4 * shape.hidden // t)
     times = []
     for _ in range(repeats + 2):
-        dist.barrier()
+        barrier(world_group())
         t0 = time.perf_counter()
         torch.mm(a, w)
         times.append(time.perf_counter() - t0)

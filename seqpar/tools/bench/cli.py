@@ -19,10 +19,10 @@ import platform
 import sys
 from pathlib import Path
 
-from .. import flops
-from ..errors import file_error
-from ..model.modes import RECOMPUTE_MODES
-from ..memory.units import human
+from ... import flops
+from ...errors import file_error
+from ...memory.units import human
+from ...model.modes import RECOMPUTE_MODES
 from .peer import BenchShape
 from .runner import PEERS, run_spawned
 
