@@ -70,10 +70,16 @@ class Precision:
         return contextlib.nullcontext()
 
     def compute_weights(self, model: nn.Module) -> dict[str, torch.Tensor] | None:
-        """bf16 leaf copies of the parameters for this optimizer step (None unless ``bf16``)."""
+        """bf16 leaf copies of the parameters for this optimizer step (None unless ``bf16``), cast
+        by one multi-tensor copy (``torch._foreach_copy_``), not a kernel per parameter."""
         if not self.master_weights:
             return None
-        return {n: p.detach().to(torch.bfloat16).requires_grad_(p.requires_grad) for n, p in model.named_parameters()}
+        named = list(model.named_parameters())
+        copies = [torch.empty_like(p, dtype=torch.bfloat16) for _, p in named]
+        if copies:
+            with torch.no_grad():
+                torch._foreach_copy_(copies, [p.detach() for _, p in named])
+        return {n: w.requires_grad_(p.requires_grad) for (n, p), w in zip(named, copies)}
 
     @contextlib.contextmanager
     def weights_in(self, model: nn.Module, weights: dict[str, torch.Tensor] | None) -> Iterator[None]:
@@ -96,18 +102,43 @@ class Precision:
 
     @torch.no_grad()
     def accumulate(self, model: nn.Module, weights: dict[str, torch.Tensor] | None) -> None:
-        """Add the bf16 copies' gradients into the fp32 masters' ``.grad`` (after each micro-batch)."""
+        """Add the bf16 copies' gradients into the fp32 masters' ``.grad`` (after each micro-batch):
+        the first micro-batch's by one multi-tensor cast, later ones cast into fp32 scratch (at
+        most :data:`SCRATCH_BYTES` at a time) and added by one multi-tensor add; the same sums as
+        adding each bf16 gradient into its fp32 one, bit for bit."""
         if weights is None:
             return
-        for name, p in model.named_parameters():
-            g = weights[name].grad
-            if g is None:
-                continue
-            if p.grad is None:
-                p.grad = g.to(torch.float32)
-            else:
-                p.grad.add_(g)
-            weights[name].grad = None
+        pairs = [(p, weights[n]) for n, p in model.named_parameters() if weights[n].grad is not None]
+        fresh = [(p, w.grad) for p, w in pairs if p.grad is None]
+        adds = [(p.grad, w.grad) for p, w in pairs if p.grad is not None]
+        if fresh:
+            grads = [torch.empty_like(g, dtype=torch.float32) for _, g in fresh]
+            torch._foreach_copy_(grads, [g for _, g in fresh])
+            for (p, _), g in zip(fresh, grads):
+                p.grad = g
+        for chunk in _chunks(adds):
+            scratch = [torch.empty_like(g, dtype=torch.float32) for _, g in chunk]
+            torch._foreach_copy_(scratch, [g for _, g in chunk])
+            torch._foreach_add_([master for master, _ in chunk], scratch)
+        for _, w in pairs:
+            w.grad = None
+
+
+SCRATCH_BYTES = 64 * 2**20  # fp32 scratch of one multi-tensor cast-and-add in Precision.accumulate
+
+
+def _chunks(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``pairs`` cut into runs of at most :data:`SCRATCH_BYTES` of fp32 (a larger tensor alone)."""
+    out: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[]]
+    size = 0
+    for pair in pairs:
+        nbytes = pair[1].numel() * 4
+        if out[-1] and size + nbytes > SCRATCH_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(pair)
+        size += nbytes
+    return [c for c in out if c]
 
 
 __all__ = ["Precision", "resolve_precision"]

@@ -16,8 +16,15 @@ import torch.nn as nn
 from ..layers import VocabParallelEmbedding
 
 
-def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float]):
-    """AdamW with two groups: decayed linear-layer matrices, and everything else undecayed."""
+def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: tuple[float, float],
+                    fused: bool | None = None):
+    """AdamW with two groups: decayed linear-layer matrices, and everything else undecayed.
+
+    ``fused`` (default: on CUDA) picks the fused kernel, one launch for every parameter, which
+    also skips a non-finite step from a device flag (``found_inf``, :mod:`seqpar.train.step`);
+    otherwise the foreach implementation. The CPU keeps foreach: torch's fused CPU kernel rounds
+    differently in the last bit, so runs and checkpoints would change, and on the CPU the host
+    read that foreach's skip needs waits on no device."""
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, (nn.Embedding, VocabParallelEmbedding))}
     decay, no_decay = [], []
     for p in model.parameters():
@@ -25,8 +32,9 @@ def build_optimizer(model: nn.Module, *, lr: float, weight_decay: float, betas: 
             continue
         (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    on_cuda = any(p.is_cuda for p in decay + no_decay)
-    kind = {"fused": True} if on_cuda else {"foreach": True}  # fused: one kernel for all params on CUDA
+    if fused is None:
+        fused = any(p.is_cuda for p in decay + no_decay)
+    kind = {"fused": True} if fused else {"foreach": True}
     return torch.optim.AdamW(groups, lr=lr, betas=betas, **kind)
 
 

@@ -12,9 +12,12 @@ Order of operations per optimizer step (:meth:`Trainer.train_step`), on every ra
 set the step's learning rate -> the step's micro-batches, cut from its global batch (a function of
 seed and step only) -> :func:`seqpar.train.step.run_step`, the one step function (the tools run it
 too): the engine's forward/backward, the global-norm clip, one world all-reduce carrying the mean
-loss, the stop flag and whether the grad norm is finite, the AdamW step -> when the loss or the
-gradients were not finite (no AdamW step), a stop naming the step or a skipped step
-(``train.nonfinite_grads``, ``max_skipped_steps``) -> grads zeroed. After the step,
+loss, the stop flag and whether the grad norm is finite, the AdamW step (skipped on the device
+under fused AdamW when the loss or the gradients are not finite) -> on a step that reads its flags
+(every step under foreach AdamW, the CPU default; under fused AdamW only a logging, evaluation,
+checkpoint or last step, :mod:`seqpar.train.deferred`), for each step since the last read: a stop
+naming a non-finite step or a skipped step (``train.nonfinite_grads``, ``max_skipped_steps``)
+-> grads zeroed. After the step,
 :meth:`Trainer.fit` logs, evaluates and checkpoints on their intervals (never NaN/inf weights nor
 right after a skipped step), and stops cleanly after a checkpoint when any rank received SIGTERM.
 """
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
@@ -39,24 +41,14 @@ from ..parallel.compile import compile_seconds
 from ..parallel.engine import build_engine
 from ..parallel.precision import Precision
 from .checkpointing import CheckpointManager, resume_global_batch
+from .deferred import StepMetrics, StopMailbox, reads_at
 from .faults import NonFiniteError, SkippedSteps, StopRequest, nonfinite_error, nonfinite_what
 from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, lr_at
 from .preflight import check_memory
 from .resolve import ResolvedRun, resolve_run
-from .step import agree, run_step
-
-
-@dataclass(frozen=True)
-class StepMetrics:
-    """What one optimizer step reports; identical on every rank."""
-
-    loss: float       # mean training loss over the step's micro-batches and the dp ranks
-    grad_norm: float  # global L2 norm of the full model's gradients, before clipping
-    lr: float         # learning rate the step used
-    stop: bool        # some rank asked to stop (SIGTERM): checkpoint and exit after this step
-    skipped: bool = False  # non-finite loss/grads under train.nonfinite_grads=skip: no optimizer step
+from .step import Halt, StepResult, agree, read_results, run_step
 
 
 def _world_size() -> int:
@@ -90,6 +82,8 @@ class Trainer:
         self._stop: StopRequest | None = None  # installed by fit()
         self.skips = SkippedSteps(cfg.train.max_skipped_steps)  # train.nonfinite_grads=skip's streaks
         self._ahead: tuple[int, list[Batch]] | None = None  # the next step's batches, on their way (CUDA)
+        self._unread: list[tuple[int, StepResult]] = []  # steps whose flags are still on the device
+        self._halt = Halt()  # train.nonfinite_grads=stop with device skips: no update after a bad step
         self._ckpt_dir = None  # the job's lock on checkpoint.dir (rank 0), held until close()
         try:
             self._ckpt_dir = open_checkpoint_dir(cfg.checkpoint.dir, self.mesh.is_first)
@@ -98,6 +92,7 @@ class Trainer:
             self.precision = Precision(cfg.train.precision, self.mesh.device, fsdp=self.run.dp_mode == "fsdp")
             self._setup_model()
             self.throughput = self._throughput()
+            self._mailbox = StopMailbox(self.mesh.device)
         except BaseException:
             self.logger.close()
             if self._ckpt_dir is not None:
@@ -214,29 +209,48 @@ class Trainer:
         the gradients are not finite (on any rank) the optimizer step is not taken: under
         ``train.nonfinite_grads=stop`` (default) :class:`NonFiniteError` names the step, under
         ``skip`` the grads are dropped and the step counted in ``history["skipped"]`` (too many in
-        a row: :class:`NonFiniteError`, :class:`SkippedSteps`)."""
+        a row: :class:`NonFiniteError`, :class:`SkippedSteps`). Under fused AdamW (CUDA) a step
+        that neither logs, evaluates nor checkpoints reads nothing from the device: the error or
+        the count comes at the next step that does (:mod:`seqpar.train.deferred`); a step after
+        a non-finite one under ``stop`` does not update the weights either."""
         tc = self.run.cfg.train
         lr = self.set_lr(step)
-        done = run_step(self.engine, self.optimizer, self.micro_batches(step), grad_clip=tc.grad_clip,
-                        stop=self.stop_requested, timed=self._is_log_step(step + 1),
-                        between=lambda: self.prefetch(step + 1))  # the next step's copies under this one's tail
-        loss, grad_norm, skipped = done.loss, done.grad_norm, done.skipped
-        if skipped and tc.nonfinite_grads == "stop":
-            self.optimizer.zero_grad(set_to_none=True)
-            raise nonfinite_error(step, loss, grad_norm, self.checkpoints.good)
-        if skipped:
+        result = run_step(self.engine, self.optimizer, self.micro_batches(step), grad_clip=tc.grad_clip,
+                          stop=self.stop_requested, timed=self._is_log_step(step + 1),
+                          between=lambda: self.prefetch(step + 1),  # the next step's copies under this one's tail
+                          halt=self._halt if tc.nonfinite_grads == "stop" else None)
+        stop = self._mailbox.take()  # the previous unread step's stop flag, once this step is queued
+        self._unread.append((step, result))
+        if result.resolved or stop or reads_at(self.run.cfg, step + 1):
+            self.read_steps()
+            stop = stop or result.stop
+        else:
+            self._mailbox.post(result)
+        if self.state is None:  # after the first step, when AdamW has its moments
+            self.state = state_bytes(self.model, self.optimizer)
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepMetrics(lr, result, stop)
+
+    def read_steps(self) -> None:
+        """Read the flags of the steps not read yet (one host read) and act on them in order: a
+        non-finite step stops the run (:class:`NonFiniteError`) or is counted as skipped."""
+        unread, self._unread = self._unread, []
+        read_results([r for _, r in unread])
+        for step, result in unread:
+            if not result.skipped:
+                self.skips.take()
+                continue
+            loss, grad_norm = result.loss, result.grad_norm
+            if self.run.cfg.train.nonfinite_grads == "stop":
+                self._halt = Halt()
+                self.optimizer.zero_grad(set_to_none=True)
+                raise nonfinite_error(step, loss, grad_norm, self.checkpoints.good)
             what = nonfinite_what(loss, grad_norm)
             self.history["skipped"].append(step + 1)
             self.logger.print(f"step {step + 1}: {what}; optimizer step skipped "
                               f"({len(self.history['skipped'])} so far, train.nonfinite_grads=skip)")
             self.optimizer.zero_grad(set_to_none=True)
             self.skips.skip(step + 1, what, self.checkpoints.good)  # past train.max_skipped_steps: stop
-        else:
-            self.skips.take()
-        if self.state is None:  # after the first step, when AdamW has its moments
-            self.state = state_bytes(self.model, self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
-        return StepMetrics(loss=loss, grad_norm=grad_norm, lr=lr, stop=done.stop, skipped=skipped)
 
     # ---- evaluation, checkpoints, samples ------------------------------------------------------
 
@@ -307,11 +321,15 @@ class Trainer:
             self.start_step = self.checkpoints.resume() or 0
             self._stop = StopRequest()
             compile_start = compile_seconds()
+            unlogged: list[StepMetrics] = []  # their losses join history once read (no host read here)
             for step in range(self.start_step, self.run.cfg.train.steps):
                 t0 = time.perf_counter()
                 m = self.train_step(step)
                 self.history["steps"].append(step + 1)
-                self.history["losses"].append(m.loss)
+                unlogged.append(m)
+                if m.resolved:
+                    self.history["losses"].extend(u.loss for u in unlogged)
+                    unlogged = []
                 if step == self.start_step:  # measured during this first step; printed once
                     compiled = self.engine.compile_line(compile_seconds() - compile_start)
                     if compiled:
