@@ -62,8 +62,10 @@ def test_precision(device, shapes, record_row, tmp_path):
 
 def test_syncs(cuda, shapes, record_row, tmp_path):
     """Host syncs of a step that logs nothing, counted under ``torch.cuda.set_sync_debug_mode("warn")``:
-    at most the one by design (``Trainer.agree``'s read of loss, stop flag and grad norm), so the
-    count is asserted rather than using ``"error"`` mode."""
+    none is expected (fused AdamW skips a non-finite step on the device; the flags are read at the
+    next logging step), at most the wait for the previous step's stop flag
+    (:class:`seqpar.train.deferred.StopMailbox`), so the count is asserted rather than using
+    ``"error"`` mode."""
     trainer = Trainer(run_config(tmp_path, shapes, "syncs", []), mesh=ParallelMesh.single(cuda))
     try:
         trainer.train_step(0)  # warm: allocations, autotuning, the first step's measurements
@@ -80,6 +82,31 @@ def test_syncs(cuda, shapes, record_row, tmp_path):
     syncs = host_syncs([str(w.message) for w in seen])
     record_row("host syncs in a non-logging step (sync debug mode)", f"{len(syncs)} {syncs[:3]}", "<= 1",
                len(syncs) <= 1)
+
+
+def test_trainer_step_time(device, shapes, record_row, tmp_path):
+    """The Trainer's real step (data, the run's precision, clip, flags, AdamW; ``train.precision=auto``:
+    the bf16 recipe on CUDA), median over steps that do not log, next to its tokens/s: shown."""
+    cfg = run_config(tmp_path, shapes, "step-time", ["train.steps=8", "train.precision=auto"])
+    trainer = Trainer(cfg, mesh=ParallelMesh.single(device))
+    times = []
+    try:
+        for step in range(cfg.train.steps - 1):  # the last step reads and logs: not timed
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            trainer.train_step(step)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if step >= 2:  # the first steps measure activations and state, and warm up
+                times.append(time.perf_counter() - t0)
+    finally:
+        trainer.close()
+    step_s = statistics.median(times)
+    tokens = cfg.train.global_batch * cfg.model.seq_len
+    record_row(f"Trainer step ({trainer.precision.name}, {type(trainer.optimizer).__name__} "
+               f"fused={bool(trainer.optimizer.defaults.get('fused'))}), median of {len(times)} non-logging steps",
+               f"{step_s * 1e3:.2f} ms/step, {tokens / step_s:,.0f} tokens/s", "-", None)
 
 
 def test_host_sync_count_ignores_the_debug_modes_own_notice():
