@@ -161,6 +161,29 @@ def test_a_signal_between_logging_steps_stops_one_step_later(tmp_path, fused):
     assert len(history["losses"]) == 3 and all(math.isfinite(x) for x in history["losses"])
 
 
+def _signal_on_rank_1(rank, world, overrides):
+    """dp=2, fused AdamW: rank 1 alone receives SIGTERM before step 2 (no logging step)."""
+    from seqpar import init_parallel
+    trainer_module.build_optimizer = _fused_adamw
+    trainer = Trainer(load_run_config(None, overrides), mesh=init_parallel(tp=1, dp=2))
+    run = trainer.train_step
+
+    def train_step(step):
+        if step == 1 and rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return run(step)
+    trainer.train_step = train_step
+    history = trainer.fit()
+    return history["steps"], history["checkpoint"], history["losses"]
+
+
+def test_a_signal_on_one_rank_stops_every_rank_at_the_same_step(spawn, tmp_path):
+    overrides = run_overrides(tmp_path, {**RUN, "train.steps": 12, "train.log_interval": 10,
+                                         "train.global_batch": 4, "train.precision": "fp32"})
+    r0, r1 = spawn(_signal_on_rank_1, 2, overrides)
+    assert r0 == r1 and r0[0] == [1, 2, 3] and r0[1].endswith("step_00000003"), (r0, r1)
+
+
 def _accumulate_per_parameter(model, weights):
     """The recipe before multi-tensor casts: one cast or add per parameter."""
     for name, p in model.named_parameters():
