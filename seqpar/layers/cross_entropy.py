@@ -7,14 +7,37 @@ import torch
 
 from ..distributed.collectives import ProcessGroup, ReduceOp, all_reduce, check_group, group_rank, group_size
 
+# Logits a pass over the logits takes at once: the forward and backward walk the tokens in chunks of
+# about this many, through one reused fp32 buffer (4 MiB), so no fp32 [tokens, v/t] copy ever exists.
+CHUNK_ELEMENTS = 1 << 20
+ELSEWHERE, IGNORED = -1, -2  # target codes: the target id is on another rank's shard / ignore_index
+
+
+def _chunks(tokens: int, width: int) -> list[slice]:
+    """Row ranges of ``[tokens, width]`` of about :data:`CHUNK_ELEMENTS` elements each."""
+    step = max(1, CHUNK_ELEMENTS // max(width, 1))
+    return [slice(i, min(i + step, tokens)) for i in range(0, tokens, step)]
+
+
+def _target_codes(targets: torch.Tensor, start: int, local_v: int, ignore_index: int) -> torch.Tensor:
+    """``[tokens]`` int32: the target's column in this shard, :data:`ELSEWHERE` or :data:`IGNORED`."""
+    local = targets - start
+    on = (local >= 0) & (local < local_v)
+    code = torch.where(on, local, torch.full_like(local, ELSEWHERE))
+    return code.masked_fill(targets == ignore_index, IGNORED).to(torch.int32)
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token loss from logits ``[..., v/t]`` sharded by vocabulary over TP.
+    """Per-token loss from logits ``[..., v/t]`` sharded by vocabulary over TP (online log-sum-exp).
 
-    Forward, in fp32: three small all-reduces of ``[...]``-shaped tensors (max, target logit,
-    sum of exp; a fourth, sum of logits, with label smoothing) instead of an all-gather of
-    ``[..., v]``. Saves the local softmax ``[..., v/t]`` in fp32 (fp64 stays fp64) (the paper's 4sbv/t term).
-    Backward: local, no communication; it reuses the saved softmax in place.
+    Forward: the max over this shard in the logits' dtype, all-reduced (MAX); then, a chunk of
+    tokens at a time in fp32 (fp64 stays fp64), the sum of exp(logit - max), the target logit and
+    (with label smoothing) the sum of logits, all-reduced (SUM) in one call: two small all-reduces
+    of ``[tokens]``-shaped tensors instead of an all-gather of ``[..., v]``. Saves the logits as
+    they are (their dtype: ``2sbv/t`` bytes in bf16), the per-token log-sum-exp ``[tokens]`` in
+    fp32 and the target codes ``[tokens]`` int32: 8 bytes per token beyond the logits.
+    Backward: local, no communication; recomputes the softmax exp(logit - lse) chunk by chunk and
+    writes ``(softmax - onehot) * grad`` in the logits' dtype.
     Columns at or past ``vocab`` (padding of the table to a multiple of t) count as -inf logits:
     softmax 0, no gradient, not in the label-smoothing average.
     """
@@ -24,43 +47,57 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_v = logits.shape[-1]
         start = group_rank(group) * local_v
         valid = min(max(vocab - start, 0), local_v)  # this rank's real columns: a prefix of its shard
-        x = logits.to(torch.promote_types(logits.dtype, torch.float32))  # fp32 at least
-        lmax = x[..., :valid].amax(dim=-1) if valid else x.new_full(x.shape[:-1], float("-inf"))
+        calc = torch.promote_types(logits.dtype, torch.float32)  # fp32 at least
+        x = logits.reshape(-1, local_v)  # [tokens, v/t], a view of the logits
+        code = _target_codes(targets.reshape(-1), start, local_v, ignore_index)
+        lmax = x[:, :valid].amax(dim=-1).to(calc) if valid else x.new_full(x.shape[:1], float("-inf"), dtype=calc)
         all_reduce(lmax, group, op=ReduceOp.MAX)
-        x = x - lmax.unsqueeze(-1)
-        if valid < local_v:
-            x[..., valid:] = float("-inf")
-        ignored = targets == ignore_index
-        elsewhere = (targets < start) | (targets >= start + local_v) | ignored
-        local_t = (targets - start).masked_fill(elsewhere, 0)
-        target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(elsewhere, 0.0)
-        sum_logits = x[..., :valid].sum(dim=-1) if label_smoothing > 0 else None
-        # one all-reduce for the target logit and (optionally) the logit sum
-        stacked = torch.stack([target_logit] + ([sum_logits] if sum_logits is not None else []))
-        all_reduce(stacked, group)
-        exp = x.exp_()
-        sum_exp = exp.sum(dim=-1)
-        all_reduce(sum_exp, group)
-        log_z = sum_exp.log()
-        loss = log_z - stacked[0]
+        on = code >= 0
+        target = x.gather(-1, code.clamp(min=0).long().unsqueeze(-1)).squeeze(-1) - lmax
+        sums = torch.zeros(3 if label_smoothing > 0 else 2, x.shape[0], dtype=calc, device=x.device)
+        sums[0] = target.masked_fill(~on, 0.0)
+        chunks = _chunks(x.shape[0], valid)
+        work = x.new_empty((chunks[0].stop, valid), dtype=calc) if chunks else None  # the one fp32 buffer
+        for rows in chunks:
+            shifted = torch.sub(x[rows, :valid], lmax[rows].unsqueeze(-1), out=work[:rows.stop - rows.start])
+            if label_smoothing > 0:
+                torch.sum(shifted, dim=-1, out=sums[2, rows])
+            torch.sum(shifted.exp_(), dim=-1, out=sums[1, rows])
+        all_reduce(sums, group)  # target logit, sum of exp (, sum of logits) in one call
+        log_z = sums[1].log()
+        loss = log_z - sums[0]
         if label_smoothing > 0:
-            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - stacked[1] / vocab)
-        loss = loss.masked_fill(ignored, 0.0)
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_t, elsewhere, ignored)
-        ctx.label_smoothing, ctx.vocab, ctx.valid, ctx.in_dtype = label_smoothing, vocab, valid, logits.dtype
-        return loss
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (log_z - sums[2] / vocab)
+        loss = loss.masked_fill(code == IGNORED, 0.0)
+        ctx.save_for_backward(logits, lmax.add_(log_z), code)  # lmax becomes the log-sum-exp
+        ctx.label_smoothing, ctx.vocab, ctx.valid = label_smoothing, vocab, valid
+        return loss.view(targets.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        softmax, local_t, elsewhere, ignored = ctx.saved_tensors
-        grad = softmax  # reused in place: this graph can be differentiated once
-        on_target = (~elsewhere).to(grad.dtype) * (1.0 - ctx.label_smoothing)
-        grad.scatter_add_(-1, local_t.unsqueeze(-1), -on_target.unsqueeze(-1))
-        if ctx.label_smoothing > 0:
-            grad[..., :ctx.valid].sub_(ctx.label_smoothing / ctx.vocab)
-        grad.mul_((grad_loss.to(grad.dtype) * (~ignored)).unsqueeze(-1))
-        return grad.to(ctx.in_dtype), None, None, None, None, None
+        logits, lse, code = ctx.saved_tensors
+        local_v, smoothing, valid = logits.shape[-1], ctx.label_smoothing, ctx.valid
+        x = logits.reshape(-1, local_v)
+        scale = grad_loss.reshape(-1).to(lse.dtype).masked_fill(code == IGNORED, 0.0)
+        on_target = (code >= 0).to(lse.dtype) * -(1.0 - smoothing)
+        index = code.clamp(min=0).long()
+        grad = torch.empty_like(x)
+        chunks = _chunks(x.shape[0], local_v)
+        direct = grad.dtype == lse.dtype  # fp32 / fp64 logits: computed in place in the gradient
+        work = None if direct or not chunks else x.new_empty((chunks[0].stop, local_v), dtype=lse.dtype)
+        for rows in chunks:
+            p = grad[rows] if direct else work[:rows.stop - rows.start]
+            torch.sub(x[rows], lse[rows].unsqueeze(-1), out=p)
+            if valid < local_v:
+                p[:, valid:] = float("-inf")
+            p.exp_()  # the softmax, recomputed
+            if smoothing > 0:
+                p[:, :valid].sub_(smoothing / ctx.vocab)
+            p.scatter_add_(-1, index[rows].unsqueeze(-1), on_target[rows].unsqueeze(-1))
+            p.mul_(scale[rows].unsqueeze(-1))
+            if not direct:
+                grad[rows] = p  # written in the logits' dtype
+        return grad.view(logits.shape), None, None, None, None, None
 
 
 def check_targets(targets: torch.Tensor, vocab: int, ignore_index: int = -100) -> None:

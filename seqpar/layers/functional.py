@@ -108,8 +108,12 @@ def row_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                         seq_dim: int = 0, tp_overlap: bool = False) -> torch.Tensor:
     """``x [s, b, in/t]`` times this rank's input columns ``weight [out, in/t]``: partial sums
     all-reduced to ``[s, b, out]`` (f-bar) or reduce-scattered to ``[s/t, b, out]`` under SP
-    (g-bar). ``bias`` is added after the reduction. ``tp_overlap`` (SP only): the reduce-scatter
-    cut into per-rank chunks, each sent while the next chunk's partial product is computed."""
+    (g-bar). ``bias`` is added after the reduction (one rank, no autocast: inside the GEMM, as
+    ``nn.Linear``; under autocast the separate add keeps today's result dtype, as at t > 1).
+    ``tp_overlap`` (SP only): the reduce-scatter cut into per-rank chunks, each sent while the next
+    chunk's partial product is computed."""
+    if group_size(tp_group) == 1 and not torch.is_autocast_enabled(x.device.type):
+        return F.linear(x, weight, bias)  # nothing to reduce: x @ weight.T + bias in one addmm
     if group_size(tp_group) > 1 and _overlapped(sequence_parallel, tp_overlap):
         out = linear_reduce_scatter(x, weight, tp_group, seq_dim)  # [s, b, in/t] -> [s/t, b, out]
     elif sequence_parallel:

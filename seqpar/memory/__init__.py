@@ -17,6 +17,7 @@ from .formulas import (
     activation_breakdown,
     attention_score_share,
     bytes_per_layer,
+    cross_entropy_terms,
     extra_bytes,
     first_stage_bytes,
     gib,
@@ -38,7 +39,7 @@ __all__ = [
     "ActivationLedger", "ActivationProbe", "PeakActivationLedger", "SavedTensor",
     "GIB", "PAPER_MODELS", "SELECTIVE_DROPPED", "TECHNIQUES", "ModelShape", "Technique",
     "activation_breakdown", "attention_score_share", "backward_transient_bytes", "bytes_per_layer",
-    "context_block_bytes", "extra_bytes",
+    "context_block_bytes", "cross_entropy_terms", "extra_bytes",
     "first_stage_bytes", "gib", "interleave_factor", "layers_in_flight", "load_shape", "paper_config_dir",
     "paper_shapes", "per_gpu_bytes", "ratio_to_tp", "state_bytes_formula", "state_bytes_per_parameter",
 ]

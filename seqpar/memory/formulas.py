@@ -186,13 +186,31 @@ def first_stage_bytes(per_layer: Number, *, L: int, p: int, m: int = 1) -> Numbe
     return _out(Fraction(per_layer) * L * _interleave(p, m))
 
 
+CrossEntropy = Literal["online", "paper"]  # what the loss keeps: seqpar's online log-sum-exp, or §4.3's
+
+
+def cross_entropy_terms(*, s: int, b: int, v: int, t: int, act: int = 2,
+                        kind: CrossEntropy = "online") -> dict[str, Fraction]:
+    """Bytes the vocabulary-parallel cross-entropy keeps for backward on one rank, ``v`` the rows of
+    the output layer (the padded vocabulary). ``online`` (seqpar's): the logits ``[s, b, v/t]`` in
+    their own ``act``-byte dtype (``2sbv/t`` in bf16) and, per token, its fp32 log-sum-exp and int32
+    target code (``8sb``). ``paper``: §4.3's fp32 logits ``4sbv/t``."""
+    if kind == "paper":
+        return {"logits_fp32": Fraction(4 * s * b * v, t)}
+    if kind != "online":
+        raise ValueError(f"cross-entropy kind must be 'online' or 'paper', got {kind!r}")
+    return {"logits": Fraction(act * s * b * v, t), "loss_lse_and_targets": Fraction(8 * s * b)}
+
+
 def outside_layer_terms(*, s: int, b: int, h: int, v: int, t: int, rep: int, act: int = 2, dropout: bool = True,
-                        in_flight: int = 1, first: bool = True, last: bool = True) -> dict[str, Fraction]:
+                        in_flight: int = 1, first: bool = True, last: bool = True,
+                        cross_entropy: CrossEntropy = "online") -> dict[str, Fraction]:
     """§4.3's activations outside the transformer layers on one GPU, in bytes: on the ``first``
     stage the embedding dropout mask (1 byte, sbh/rep per micro-batch, ``in_flight`` of them; none
     without ``dropout``); on the ``last`` the final LayerNorm input and the output-layer input
-    (``act``-byte activations, 2sbh/rep each at 2 bytes) and the fp32 logits (4sbv/t, ``v`` the
-    rows the output layer has). ``rep``: what the replicated region is split by (t under SP, else 1)."""
+    (``act``-byte activations, 2sbh/rep each at 2 bytes) and what the loss keeps
+    (:func:`cross_entropy_terms`, ``v`` the rows the output layer has). ``rep``: what the
+    replicated region is split by (t under SP, else 1)."""
     sbh, u = Fraction(s * b * h), Fraction(act, 2)
     out: dict[str, Fraction] = {}
     if first and dropout:
@@ -200,7 +218,7 @@ def outside_layer_terms(*, s: int, b: int, h: int, v: int, t: int, rep: int, act
     if last:
         out["final_layernorm_input"] = 2 * sbh * u / rep
         out["output_layer_input"] = 2 * sbh * u / rep
-        out["logits_fp32"] = Fraction(4 * s * b * v, t)
+        out.update(cross_entropy_terms(s=s, b=b, v=v, t=t, act=act, kind=cross_entropy))
     return out
 
 
@@ -210,10 +228,11 @@ def extra_bytes(*, s: int, b: int, h: int, v: int, t: int, p: int) -> dict[str, 
 
     The embedding dropout mask (sbhp/t, on the first stage for p in-flight micro-batches) and,
     only on the stage holding the output layer, the final LayerNorm input (2sbh/t), the output
-    layer input (2sbh/t) and the fp32 logits for the cross-entropy (4sbv/t).
+    layer input (2sbh/t) and the fp32 logits for the cross-entropy (4sbv/t; seqpar's own loss
+    keeps less: :func:`cross_entropy_terms`).
     """
     _check_dims(s=s, b=b, h=h, v=v, t=t, p=p)
-    terms = outside_layer_terms(s=s, b=b, h=h, v=v, t=t, rep=t, in_flight=p)
+    terms = outside_layer_terms(s=s, b=b, h=h, v=v, t=t, rep=t, in_flight=p, cross_entropy="paper")
     return {name: _out(x) for name, x in terms.items()}
 
 

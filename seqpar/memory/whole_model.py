@@ -5,7 +5,8 @@ differs in ways the paper's derivation already names, and this module applies th
 dropout off keeps no masks (and with attention dropout off the softmax output is also the
 dropout output); fp32 activations take 4 bytes where Table 2 counts 2; full recompute keeps one
 input per checkpointed unit of layers; and the §4.3 terms outside the layers (embedding dropout
-mask, final LayerNorm input, output-layer input, fp32 logits) are added. A per-layer list
+mask, final LayerNorm input, output-layer input, and what the loss keeps: the logits in their own
+dtype and 8 bytes per token) are added. A per-layer list
 (``model.recompute_layers``) sums each layer's own mode, a full layer keeping its input. LayerNorm
 statistics and integer token ids are small and left out, as in the paper.
 
@@ -14,7 +15,7 @@ input like LayerNorm (only the small per-token statistics differ: no mean); grou
 attention keeps K and V of ``g`` heads, ``2sbh g/a`` each; SwiGLU keeps the fused gate and up
 (``4sbf``) where GeLU keeps its input (``2sbf``), and both keep the fc2 input (``2sbf``), with
 the MLP width ``f`` from the config. RoPE adds nothing: it runs outside the selectively
-recomputed region and returns the Q, K, V that attention keeps anyway. The fp32 logits have the
+recomputed region and returns the Q, K, V that attention keeps anyway. The logits have the
 padded vocabulary's columns. What the attention core keeps depends on its kernel
 (:func:`attention_kernel`; ``docs/memory.md``, "Per attention kernel").
 
