@@ -150,7 +150,7 @@ def _prepare_tables(block: nn.Module, config, tables: dict) -> None:
         cos, sin = rope.tables.get(config.seq_len, weight.dtype, weight.device)
         rope.register_buffer("cos_table", cos, persistent=False)
         rope.register_buffer("sin_table", sin, persistent=False)
-    if core.kind != "math":
+    if core.kernel(weight.device) != "math":
         return
     from ..model.attention import causal_bias
     r = block.attn.local_heads // block.attn.local_kv_heads
