@@ -17,7 +17,9 @@ The same RNG state gives the same mask only from the same kernel: PyTorch picks 
 ``scaled_dot_product_attention`` kernel partly from whether grad is on (on sm86/89/120 flash is
 refused for training with head_dim > 192), and a checkpoint's first pass runs without grad while
 its replay runs with it. :func:`replayable_sdpa` picks the kernel the grad-on pass would, for
-both passes.
+both passes. A compiled block cannot swap generator states, so there the fused kernel's dropout
+runs inside one op, :func:`stream_sdpa` (``seqpar::stream_sdpa``), that takes the stream's state
+and returns the next: the eager mask, replayed exactly by recomputation.
 """
 from __future__ import annotations
 
