@@ -17,7 +17,9 @@ The same RNG state gives the same mask only from the same kernel: PyTorch picks 
 ``scaled_dot_product_attention`` kernel partly from whether grad is on (on sm86/89/120 flash is
 refused for training with head_dim > 192), and a checkpoint's first pass runs without grad while
 its replay runs with it. :func:`replayable_sdpa` picks the kernel the grad-on pass would, for
-both passes.
+both passes. A compiled block cannot swap generator states, so there the fused kernel's dropout
+runs inside one op, :func:`stream_sdpa` (``seqpar::stream_sdpa``), that takes the stream's state
+and returns the next: the eager mask, replayed exactly by recomputation.
 """
 from __future__ import annotations
 
@@ -26,11 +28,12 @@ from typing import Callable, Literal, Sequence, get_args
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from .distributed.rng import RNGStreams, capture_rng, replay_rng
+from .distributed.rng import RNGStreams, capture_rng, replay_rng, run_with_state
 
 RecomputeMode = Literal["none", "selective", "full"]  # what one layer keeps or recomputes
 RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
@@ -92,8 +95,12 @@ def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: f
                  is_causal: bool = False, enable_gqa: bool = False) -> SDPBackend:
     """The kernel ``scaled_dot_product_attention`` runs for these inputs when grad is on (as in a
     recomputation's replay, and in a plain training forward). Grad only ever rules kernels out, so
-    this one also runs in a no-grad first pass. Respects an enclosing ``sdpa_kernel`` choice."""
+    this one also runs in a no-grad first pass. With dropout it chooses as for inputs that need grad
+    (a compiled graph's are detached), so the op a compiled block runs draws the eager step's mask.
+    Respects an enclosing ``sdpa_kernel`` choice."""
     dev = q.device.type
+    if dropout_p > 0 and not q.requires_grad:
+        q, k, v = (x.detach().requires_grad_(x.is_floating_point()) for x in (q, k, v))
     with torch.enable_grad():
         if torch.is_autocast_enabled(dev) and q.dtype != torch.get_autocast_dtype(dev):
             # the kernel sees autocast's copies: choose for those (a transient copy, autocast makes it anyway)
@@ -112,6 +119,72 @@ def replayable_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropou
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, **kw)
     with sdpa_kernel([sdpa_backend(q, k, v, dropout_p, is_causal, enable_gqa)]):
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, **kw)
+
+
+# ----------------------------------------------------------------------------- fused attention dropout
+# A compiled block cannot swap generator states, so there the fused kernel's dropout runs inside one
+# custom op that takes the stream's state as an input and returns the state after: a pure function
+# of it, so recomputation (which replays the saved state) and the eager step draw the same mask.
+def _drawn_sdpa(q: Tensor, k: Tensor, v: Tensor, p: float, enable_gqa: bool, state: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal :func:`replayable_sdpa` with dropout ``p`` drawn from generator state ``state``;
+    returns the output and the state after the draw (the eager step's ``fork`` draws the same)."""
+    with torch.autocast(q.device.type, enabled=False):  # the caller has cast to autocast's dtype
+        return run_with_state(q.device, state, lambda: replayable_sdpa(q, k, v, dropout_p=p, is_causal=True,
+                                                                      enable_gqa=enable_gqa))
+
+
+@torch.library.custom_op("seqpar::stream_sdpa", mutates_args=())
+def _stream_sdpa(q: Tensor, k: Tensor, v: Tensor, p: float, enable_gqa: bool, state: Tensor) -> tuple[Tensor, Tensor]:
+    out, after = _drawn_sdpa(q, k, v, p, enable_gqa, state)
+    return out.contiguous(), after  # the layout the fake kernel promises (kernels differ)
+
+
+@torch.library.custom_op("seqpar::stream_sdpa_backward", mutates_args=())
+def _stream_sdpa_backward(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, p: float, enable_gqa: bool,
+                          state: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The kernel's forward again from the saved state (the same mask), then its backward."""
+    _, vjp = torch.func.vjp(lambda *qkv: _drawn_sdpa(*qkv, p, enable_gqa, state)[0], q, k, v)
+    return tuple(g.contiguous() for g in vjp(grad.to(q.dtype)))  # type: ignore[return-value]
+
+
+@_stream_sdpa.register_fake
+def _(q, k, v, p, enable_gqa, state):
+    return q.new_empty(q.shape), torch.empty_like(state)
+
+
+@_stream_sdpa_backward.register_fake
+def _(grad, q, k, v, p, enable_gqa, state):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _sdpa_setup(ctx, inputs, output):
+    q, k, v, ctx.p, ctx.enable_gqa, state = inputs
+    ctx.save_for_backward(q, k, v, state)  # the kernel's own residuals are recomputed from these
+
+
+def _sdpa_backward(ctx, grad, grad_state):
+    q, k, v, state = ctx.saved_tensors
+    dq, dk, dv = torch.ops.seqpar.stream_sdpa_backward(grad, q, k, v, ctx.p, ctx.enable_gqa, state)
+    return dq, dk, dv, None, None, None
+
+
+_stream_sdpa.register_autograd(_sdpa_backward, setup_context=_sdpa_setup)
+
+
+def stream_sdpa(q: Tensor, k: Tensor, v: Tensor, p: float, streams: RNGStreams, name: str = "tp", *,
+                enable_gqa: bool = False) -> Tensor:
+    """Causal ``scaled_dot_product_attention`` of ``[b, heads, s, d]`` q, k, v with dropout ``p``
+    drawn from stream ``name``, as one op (``seqpar::stream_sdpa``) that ``torch.compile`` traces
+    without a graph break: the same kernel (:func:`replayable_sdpa`) and generator state as the
+    eager step's ``streams.fork(name)``, hence the same mask and output. It keeps q, k, v and the
+    stream state, and its backward runs the kernel's forward once more (the same mask) before the
+    kernel's backward: one attention forward more than eager, paid only with attention dropout."""
+    dev = q.device.type
+    if torch.is_autocast_enabled(dev) and q.dtype != torch.get_autocast_dtype(dev):
+        q, k, v = (x.to(torch.get_autocast_dtype(dev)) for x in (q, k, v))  # what sdpa under autocast runs on
+    out, after = torch.ops.seqpar.stream_sdpa(q, k, v, p, enable_gqa, streams.states[name])
+    streams.advance(name, after)
+    return out
 
 
 def full_recompute_plan(layers: int, method: RecomputeMethod, num_layers: int) -> list[tuple[int, int, bool]]:
@@ -188,10 +261,6 @@ def compile_unsupported(config, cp: int = 1) -> str | None:
     if cp > 1:
         return (f"train.compile supports parallel.cp = 1 only (got cp={cp}): context-parallel attention "
                 f"exchanges K/V with point-to-point calls the compiler does not trace yet")
-    if config is not None and config.attention == "sdpa" and config.attention_dropout > 0:
-        return (f"train.compile with model.attention=sdpa needs model.attention_dropout=0 (got "
-                f"{config.attention_dropout}): the fused kernel draws its mask from the default generator, "
-                f"which a compiled block cannot swap; use model.attention=math for attention dropout")
     return None
 
 

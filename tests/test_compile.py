@@ -135,8 +135,12 @@ def test_compiled_training_equals_eager_over_five_steps_and_compiles_once_per_bl
 
 
 def test_compile_refuses_what_it_does_not_support():
-    with pytest.raises(ValueError, match="attention_dropout"):
-        compile_blocks(GPT(_config(GPT2, "none", 0.1, attention="sdpa")))
+    from types import SimpleNamespace
+
+    from seqpar.parallel.compile import check_compilable
+    with pytest.raises(ValueError, match="parallel.cp"):  # a context-parallel model (cp = 2) as the check sees it
+        check_compilable(SimpleNamespace(config=_config(GPT2, "none", 0.0), cp=SimpleNamespace(size=2)))
+    check_compilable(GPT(_config(GPT2, "none", 0.1, attention="sdpa")))  # fused attention dropout compiles
 
 
 def test_uncompile_restores_the_eager_forward():
@@ -304,15 +308,14 @@ def test_auto_compiles_on_cuda_only_where_supported_and_true_names_the_reason():
     assert compile_enabled("auto", torch.device("cuda"), plain) is True
     assert compile_enabled("auto", torch.device("cpu"), plain) is False
     assert compile_enabled("auto", torch.device("cuda"), plain, cp=2) is False
-    assert compile_enabled("auto", torch.device("cuda"), sdpa) is False
+    assert compile_enabled("auto", torch.device("cuda"), sdpa) is True  # sdpa's dropout compiles (issue 33)
     assert compile_enabled(True, torch.device("cpu"), plain) is True
-    assert "parallel.cp" in unsupported(plain, cp=2) and "attention_dropout" in unsupported(sdpa)
+    assert "parallel.cp" in unsupported(plain, cp=2) and unsupported(sdpa) is None
 
 
 def test_config_refuses_compile_true_where_it_cannot_compile():
     from seqpar.config import ConfigError, load_run_config
-    for overrides, key in ((["parallel.cp=2", "parallel.tp=1"], "parallel.cp"),
-                           (["model.attention=sdpa", "model.attention_dropout=0.1"], "attention_dropout")):
+    for overrides, key in ((["parallel.cp=2", "parallel.tp=1"], "parallel.cp"),):
         with pytest.raises((ConfigError, ValueError), match=key):
             load_run_config("tiny-cpu", ["train.compile=true", *overrides])
         load_run_config("tiny-cpu", ["train.compile=auto", *overrides])  # auto: eager there

@@ -137,10 +137,8 @@ def valid_values(draw) -> dict[str, Any]:
         values.pop("data.source", None)  # a blend or one source, not both
     if values.get("parallel.tp_overlap"):
         values["model.sequence_parallel"] = True  # the overlap is of SP's collectives
-    if values.get("train.compile") is True:  # compiled blocks: no cp, no sdpa attention dropout
+    if values.get("train.compile") is True:  # compiled blocks: no cp
         values["parallel.cp"] = 1
-        if values.get("model.attention") == "sdpa":
-            values["model.attention_dropout"] = 0.0
     modes = values.get("model.recompute_layers")
     if modes is not None:  # one mode per layer
         layers = values.get("model.layers", 12)

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import hashlib
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode
 
 TP_SEED_OFFSET = 2718
+T = TypeVar("T")
 DEVICE_KEY = "device_type"  # entry of RNGStreams.get_state() naming the generators' device type
 
 
@@ -83,16 +84,24 @@ def _swap_in(device: torch.device, state: torch.Tensor) -> torch.Tensor:
     return saved
 
 
+def run_with_state(device: torch.device, state: torch.Tensor, fn: Callable[[], T]) -> tuple[T, torch.Tensor]:
+    """``(fn(), state after)``: ``fn`` run with ``state`` as ``device``'s default generator state
+    (its random ops draw from it); the default generator is left as it was. Not traceable: the
+    custom ops below (and :func:`seqpar.recompute.stream_sdpa`) call it inside their kernels."""
+    saved = _swap_in(device, state)
+    try:
+        out = fn()
+        after = _get_device_state(device)
+    finally:
+        _set_device_state(device, saved)
+    return out, after
+
+
 def _draw(x: torch.Tensor, p: float, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``torch.native_dropout(x, p, True)`` drawn from generator state ``state``: returns the output,
     the 1-byte keep mask and the generator's state after the draw. The device's default generator
     is left as it was."""
-    saved = _swap_in(x.device, state)
-    try:
-        y, mask = torch.native_dropout(x, p, True)
-        after = _get_device_state(x.device)
-    finally:
-        _set_device_state(x.device, saved)
+    (y, mask), after = run_with_state(x.device, state, lambda: torch.native_dropout(x, p, True))
     return y, mask, after
 
 
@@ -182,6 +191,14 @@ class RNGStreams:
         op = torch.ops.seqpar.core_dropout if core else torch.ops.seqpar.stream_dropout
         y, _, self.states[name] = op(x, p, self.states[name])
         return y
+
+    def advance(self, name: str, state: torch.Tensor) -> None:
+        """Set stream ``name`` to ``state``, the generator state after a draw made from its state by
+        an op of its own (a fused attention kernel's dropout); traceable, like :meth:`dropout`."""
+        if name not in self.states:
+            raise ValueError(f"unknown RNG stream {name!r}; known: {sorted(self.states)}")
+        self._drawn = True
+        self.states[name] = state
 
     def materialize(self) -> "RNGStreams":
         """Seed the streams now (they are otherwise seeded at their first draw)."""

@@ -30,6 +30,7 @@ from fractions import Fraction
 from typing import Sequence
 
 from ..model.config import GPTConfig
+from ..model.modes import resolve_attention
 from ..recompute import full_recompute_plan
 from .formulas import _SCORE_TERMS, _sbh_terms, outside_layer_terms
 
@@ -65,7 +66,7 @@ def attention_kernel(cfg: GPTConfig, device: str = "cuda", *, t: int = 1, act: i
     output, logsumexp and RNG state, O(s) per head); ``"sdpa-math"`` (``sdpa`` falling back to
     PyTorch's composite math kernel, which computes in fp32: on CPU with attention dropout, on
     CUDA for fp32 with grouped-query heads)."""
-    if cfg.attention == "math":
+    if resolve_attention(cfg.attention, device) == "math":  # auto: math off CUDA
         return "math"
     if device == "cpu":
         return "sdpa-math" if cfg.attention_dropout > 0 else "fused"

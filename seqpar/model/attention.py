@@ -22,9 +22,10 @@ from ..distributed.collectives import group_size
 from ..distributed.context import ContextParallel
 from ..distributed.rng import RNGStreams
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..recompute import checkpoint, replayable_sdpa
+from ..recompute import checkpoint, replayable_sdpa, stream_sdpa
 from .config import GPTConfig
 from .context_attention import context_attention
+from .modes import resolve_attention
 from .rope import RopeTables, RotaryEmbedding
 
 # scaled_dot_product_attention(..., enable_gqa=True) exists from PyTorch 2.5
@@ -48,7 +49,7 @@ class CoreAttention(nn.Module):
 
     def __init__(self, config: GPTConfig, streams: RNGStreams):
         super().__init__()
-        self.p, self.kind, self.streams = config.attention_dropout, config.attention, streams
+        self.p, self.setting, self.streams = config.attention_dropout, config.attention, streams
         self.scale = 1.0 / math.sqrt(config.head_dim)
         self._bias, self._bias_key = None, None
 
@@ -59,6 +60,10 @@ class CoreAttention(nn.Module):
             self._bias = causal_bias(s, r, dtype, device)
             self._bias_key = key
         return self._bias
+
+    def kernel(self, device: torch.device) -> str:
+        """``"math"`` or ``"sdpa"``: ``model.attention`` on ``device`` (``auto``: sdpa on CUDA only)."""
+        return resolve_attention(self.setting, device)
 
     def prepare(self, bias: torch.Tensor, r: int) -> None:
         """Hold ``bias`` (:func:`causal_bias` at the model's sequence length, shared by every layer)
@@ -73,15 +78,8 @@ class CoreAttention(nn.Module):
         g = k.shape[2]
         r = a // g  # query heads per key/value head
         p = self.p if self.training else 0.0
-        if self.kind == "sdpa":
-            # the kernel draws its own mask, from the default generator: swap the stream in
-            with self.streams.fork("tp") if p > 0 else contextlib.nullcontext():
-                qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, heads, s, d] views
-                if r > 1 and not _SDPA_GQA:  # old PyTorch: the kernel needs equal head counts
-                    kh, vh = kh.repeat_interleave(r, 1), vh.repeat_interleave(r, 1)
-                gqa = {"enable_gqa": True} if r > 1 and _SDPA_GQA else {}
-                out = replayable_sdpa(qh, kh, vh, dropout_p=p, is_causal=True, **gqa)
-            return out.permute(2, 0, 1, 3).reshape(s, b, a * d)
+        if self.kernel(q.device) == "sdpa":
+            return self._fused(q, k, v, p).permute(2, 0, 1, 3).reshape(s, b, a * d)  # [s, b, a/t * d]
         # copies, never views of the QKV buffer: a view (b = 1, or one key/value head) would keep
         # the whole buffer alive next to the copies, Q twice
         qb = q.permute(1, 2, 0, 3).reshape(b * g, r * s, d).contiguous()  # [b*g, r*s, d]: group's heads as rows
@@ -98,6 +96,21 @@ class CoreAttention(nn.Module):
             probs = self.streams.dropout(probs, p, "tp", core=True)
         ctx = torch.bmm(probs, vb)                                     # [b*g, r*s, d]
         return ctx.view(b, a, s, d).permute(2, 0, 1, 3).reshape(s, b, a * d)  # [s, b, a/t * d]
+
+    def _fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float) -> torch.Tensor:
+        """``scaled_dot_product_attention`` -> ``[b, a/t, s, d]``. Its dropout mask comes from the
+        per-rank stream: eager, the kernel draws it from the default generator with the stream's
+        state swapped in; compiled (where states cannot be swapped), one op takes the state and
+        returns the next (:func:`~seqpar.recompute.stream_sdpa`), drawing the same mask."""
+        r = q.shape[2] // k.shape[2]
+        qh, kh, vh = (x.permute(1, 2, 0, 3) for x in (q, k, v))  # [b, heads, s, d] views
+        if r > 1 and not _SDPA_GQA:  # old PyTorch: the kernel needs equal head counts
+            kh, vh = kh.repeat_interleave(r, 1), vh.repeat_interleave(r, 1)
+        gqa = r > 1 and _SDPA_GQA
+        if p > 0 and torch.compiler.is_compiling():
+            return stream_sdpa(qh, kh, vh, p, self.streams, "tp", enable_gqa=gqa)
+        with self.streams.fork("tp") if p > 0 else contextlib.nullcontext():
+            return replayable_sdpa(qh, kh, vh, dropout_p=p, is_causal=True, enable_gqa=gqa)
 
 
 class SelfAttention(nn.Module):

@@ -17,6 +17,7 @@ from ..distributed.context import CPComm, ContextParallel, check_context_layout,
 from ..distributed.mesh import ParallelMesh
 from ..distributed.regions import reduce_from_tp
 from .config import GPTConfig
+from .modes import resolve_attention
 
 
 def build_context(config: GPTConfig, mesh: ParallelMesh, comm: CPComm) -> ContextParallel:
@@ -30,7 +31,7 @@ def build_context(config: GPTConfig, mesh: ParallelMesh, comm: CPComm) -> Contex
                          f"supported yet (context-parallel attention has no dropout); set "
                          f"model.attention_dropout=0")
     check_group(mesh.cp_group, "GPT (cp_group)")
-    return ContextParallel.of(mesh.cp_group if cp > 1 else None, comm, config.attention)
+    return ContextParallel.of(mesh.cp_group if cp > 1 else None, comm, resolve_attention(config.attention, mesh.device))
 
 
 def stream_rank(mesh: ParallelMesh) -> int:

@@ -5,8 +5,9 @@ compiled graph), in the Trainer, in pipeline stages and for drop-in models. A bl
 ``torch.utils.checkpoint`` with the selective-checkpoint policy of its recompute mode
 (:func:`seqpar.recompute.run_with_policy`): selective recomputes exactly the attention core, and
 nothing else is re-planned by the compiler, so the compiled step keeps Table 2's bytes. Dropout
-draws through ``seqpar::stream_dropout`` (:mod:`seqpar.distributed.rng`), so compiled masks are
-the eager masks, replayed exactly by recomputation. Full recomputation checkpoints around the
+draws through ``seqpar::stream_dropout`` (:mod:`seqpar.distributed.rng`) and the fused attention
+kernel's through ``seqpar::stream_sdpa`` (:func:`seqpar.recompute.stream_sdpa`), so compiled masks
+are the eager masks, replayed exactly by recomputation. Full recomputation checkpoints around the
 compiled blocks, as in eager mode.
 
 The block's parameters keep their names (the compiled function is set as the block instance's
@@ -150,7 +151,7 @@ def _prepare_tables(block: nn.Module, config, tables: dict) -> None:
         cos, sin = rope.tables.get(config.seq_len, weight.dtype, weight.device)
         rope.register_buffer("cos_table", cos, persistent=False)
         rope.register_buffer("sin_table", sin, persistent=False)
-    if core.kind != "math":
+    if core.kernel(weight.device) != "math":
         return
     from ..model.attention import causal_bias
     r = block.attn.local_heads // block.attn.local_kv_heads

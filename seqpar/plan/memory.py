@@ -32,7 +32,7 @@ from ..memory.state import state_bytes_per_parameter, training_state_bytes
 from ..memory.transient import backward_transient_bytes, context_block_bytes
 from ..memory.whole_model import layer_bytes, outside_terms
 from ..model.config import GPTConfig
-from ..model.modes import RECOMPUTE_MODES, RecomputeMode
+from ..model.modes import RECOMPUTE_MODES, RecomputeMode, resolve_attention
 from . import dims
 from .gpus import GIB
 from .layout import Layout, micro_batches
@@ -118,10 +118,12 @@ class Memory:
                 f"{cut / GIB:.2f} GiB to {(size - cut) / GIB:.2f} GiB")
 
 
-def context_transient(model: GPTConfig, layout: Layout) -> float:
-    """The context-parallel kernel's backward transient of ``layout`` (:func:`context_block_bytes`)."""
+def context_transient(model: GPTConfig, layout: Layout, device: str = "cuda") -> float:
+    """The context-parallel kernel's backward transient of ``layout`` on ``device``
+    (:func:`context_block_bytes`; ``attention: auto`` is sdpa on CUDA)."""
+    attention = resolve_attention(model.attention, device)
     return float(context_block_bytes(heads=model.heads, seq_len=model.seq_len, micro_batch=layout.micro_batch,
-                                     t=layout.tp, cp=layout.cp, attention=model.attention, cp_comm=layout.cp_comm,
+                                     t=layout.tp, cp=layout.cp, attention=attention, cp_comm=layout.cp_comm,
                                      kv_heads=model.held_kv_heads(layout.tp) // layout.tp, head_dim=model.head_dim))
 
 
@@ -137,7 +139,7 @@ def _stage_memory(model: GPTConfig, layout: Layout, n_micro: int, stage: int, pr
     held = counts["none"] * per["none"] + counts["selective"] * per["selective"] + full_units * per["full"]
     unit = (rc.num_layers if (rc.kind == "full" and rc.method == "uniform") else 1) if counts["full"] else 0
     working = backward_transient_bytes(per, unit_layers=unit, selective=bool(counts["selective"]))
-    working += context_transient(model, layout)
+    working += context_transient(model, layout, device)
     parts = state_parts(model, layout, stage, precision)
     parts["activations"] = held * inflight_layers(layout, n_micro, stage)
     cfg = dims.with_sequence_parallel(model, layout.sequence_parallel)

@@ -24,6 +24,7 @@ other read stops the run naming the line.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import resource
 import sys
 import time
@@ -41,6 +42,7 @@ from ..distributed.local import fake_world
 from ..distributed.mesh import ParallelMesh, init_parallel
 from ..errors import UserError
 from ..model.gpt import Block
+from ..model.modes import resolve_attention
 from ..parallel.data_parallel import state_bytes
 from ..parallel.engine import PipelineEngine, StepEngine, build_engine
 from ..parallel.precision import Precision, resolve_precision
@@ -159,7 +161,8 @@ def fake_batches(run: ResolvedRun) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def build(run: ResolvedRun, mesh: ParallelMesh, device: str) -> tuple[StepEngine, torch.optim.Optimizer, Precision]:
     """This rank's step engine, AdamW and precision recipe, as :class:`~seqpar.train.trainer.Trainer`
-    builds them; ``device`` ("cuda" / "cpu"): what ``train.precision: auto`` resolves for."""
+    builds them; ``device`` ("cuda" / "cpu"): what ``train.precision: auto`` and ``model.attention:
+    auto`` resolve for (the fake tensors are CPU tensors, whatever the target)."""
     tc = run.cfg.train
     precision = Precision(resolve_precision(tc.precision, torch.device(device)), mesh.device,
                           fsdp=run.dp_mode == "fsdp")
@@ -170,7 +173,11 @@ def build(run: ResolvedRun, mesh: ParallelMesh, device: str) -> tuple[StepEngine
                         f"DistributedDataParallel, whose C++ reducer needs real tensors: a dry run cannot build it "
                         f"(train.precision=bf16 reduces through seqpar's own gradient buckets, "
                         f"parallel.data_parallel=fsdp through FSDP2)")
-    engine = build_engine(run.cfg, mesh, accum=run.accum, precision=precision)
+    cfg = run.cfg
+    if cfg.model.attention == "auto":  # the target device's kernel, not the fake tensors' CPU one
+        model = dataclasses.replace(cfg.model, attention=resolve_attention("auto", device))
+        cfg = dataclasses.replace(cfg, model=model)
+    engine = build_engine(cfg, mesh, accum=run.accum, precision=precision)
     precision.check_model(engine.module)
     optimizer = build_optimizer(engine.module, lr=tc.lr, weight_decay=tc.weight_decay, betas=(tc.beta1, tc.beta2))
     return engine, optimizer, precision
