@@ -70,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(f"--nproc-per-node must be at least 1 (got {args.nproc_per_node})")
     if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
         return _launch(args)
+    _check_single_process(cfg)
     from .trainer import train
     try:
         train(cfg)
@@ -79,6 +80,19 @@ def run(args: argparse.Namespace) -> int:
     if "LOCAL_RANK" in os.environ:  # a torchrun rank whose run finished (or stopped on a signal) cleanly
         _exit_now(0)
     return 0
+
+
+def _check_single_process(cfg) -> None:
+    """A layout of several ranks started as one plain process: name the flag that starts them."""
+    if "WORLD_SIZE" in os.environ or "LOCAL_RANK" in os.environ:
+        return
+    par = cfg.parallel
+    need = par.tp * par.pp * par.cp * (par.dp or 1)
+    if need > 1:
+        layout = ", ".join(f"{k}={v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("dp", par.dp))
+                           if v not in (None, 1))
+        raise UserError(f"parallel {layout} needs {need} processes, but this is one process: add "
+                        f"`--nproc-per-node {need}` (or start it under torchrun)")
 
 
 def _exit_now(code: int) -> None:
