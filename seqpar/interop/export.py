@@ -1,8 +1,9 @@
 """``seqpar export CHECKPOINT OUT --format hf``: a seqpar checkpoint as a Hugging Face model folder.
 
-``OUT`` gets ``config.json`` (a ``GPT2Config`` or ``LlamaConfig``), ``model.safetensors`` and the
-checkpoint's ``tokenizer.json`` when it has one, so ``transformers.AutoModelForCausalLM
-.from_pretrained(OUT)`` loads it. The family follows the model config: LayerNorm + learned
+``OUT`` gets ``config.json`` (a ``GPT2Config`` or ``LlamaConfig``), ``model.safetensors`` and, when
+the checkpoint carries a tokenizer, ``tokenizer.json``, ``tokenizer_config.json`` and
+``generation_config.json`` with its bos / eos / pad ids (:mod:`seqpar.interop.hf_tokens`), so
+``AutoModelForCausalLM`` and ``AutoTokenizer`` load it and ``generate`` stops at end of text. The family follows the model config: LayerNorm + learned
 positions + GeLU with biases is GPT-2, RMSNorm + RoPE + SwiGLU is Llama; other mixes have no
 Hugging Face class and are refused. Tensors are read from the checkpoint one at a time (a DCP
 load of one key) and streamed into the safetensors file, so the whole model is never in memory.
@@ -20,11 +21,13 @@ import torch
 from ..checkpoint.safetensors import write_safetensors
 from ..errors import UserError, file_error
 from ..model.config import DTYPES, GPTConfig
+from .hf_tokens import special_ids, write_tokenizer_files
 
 Loader = Callable[[str], torch.Tensor]
 # every file an export of either format writes; a folder holds one export, so after writing one the
 # others (left by an earlier export, in the other format or from a checkpoint with a tokenizer) go
-EXPORT_FILES = ("config.json", "config.yaml", "model.safetensors", "tokenizer.json")
+EXPORT_FILES = ("config.json", "config.yaml", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                "generation_config.json")
 
 
 def family_of(config: GPTConfig) -> str:
@@ -119,9 +122,13 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str | None = None)
     out.mkdir(parents=True, exist_ok=True)
     cfg = hf_config(config, shapes)
     cfg.dtype = target
+    ids = special_ids(path)  # the checkpoint's tokenizer's, never a family default outside the vocabulary
+    for key, value in ids.items():
+        setattr(cfg, key, value)
     cfg.save_pretrained(out)
     write_safetensors(out / "model.safetensors", header, hf_stream(config, load))
-    _drop_stale(out, {"config.json", "model.safetensors"} | _copy_tokenizer(path, out))
+    written = _copy_tokenizer(path, out) | write_tokenizer_files(path, out, ids, config.seq_len)
+    _drop_stale(out, {"config.json", "model.safetensors"} | written)
     return out
 
 
