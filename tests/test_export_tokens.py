@@ -119,3 +119,16 @@ def test_export_without_a_tokenizer_sets_no_ids_outside_the_vocabulary(tmp_path)
         assert seqpar(["export", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config.get("bos_token_id") is None and config.get("eos_token_id") is None, config
+
+
+def test_import_hint_does_not_repeat_a_given_data_source(tmp_path):
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=V, n_positions=S, n_embd=16, n_layer=1,
+                                                              n_head=2))
+    hf.save_pretrained(tmp_path / "hf")
+    shown = {}
+    for name, extra in (("given", ["data.source=tokens.bin"]), ("none", [])):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert seqpar(["import", str(tmp_path / "hf"), str(tmp_path / name), *extra]) == 0
+        shown[name] = out.getvalue()
+    assert "data.source=TOKENS" not in shown["given"] and "data.source=TOKENS" in shown["none"], shown

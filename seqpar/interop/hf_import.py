@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     path = import_hf(args.hf_dir, args.checkpoint_dir, config=args.config, overrides=args.overrides,
                      dtype=args.dtype)  # bad input: one line and exit 2 (seqpar.cli)
-    print(f"wrote {path}\n  train:    seqpar train {path / 'config.yaml'} data.source=TOKENS\n"
+    given = any(o.startswith("data.source=") for o in args.overrides)
+    print(f"wrote {path}\n  train:    seqpar train {path / 'config.yaml'}{'' if given else ' data.source=TOKENS'}\n"
           f"  generate: seqpar generate {path.parent}")
     return 0
