@@ -177,7 +177,7 @@ class TrainConfig(Freezable):
         for name in ("steps", "micro_batch", "global_batch", "log_interval", "eval_batches", "threads_per_rank",
                      "max_skipped_steps"):
             check_at_least(f"train.{name}", getattr(self, name), 1)
-        for name in ("warmup_steps", "eval_interval"):
+        for name in ("warmup_steps", "eval_interval", "seed"):
             check_at_least(f"train.{name}", getattr(self, name), 0)
         check_number("train.lr", self.lr, "> 0")
         check_number("train.min_lr", self.min_lr, ">= 0")
