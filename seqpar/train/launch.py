@@ -2,9 +2,9 @@
 
 With ``--nproc-per-node N`` outside torchrun, this command runs torchrun's agent in this process
 (standalone rendezvous on this machine), so one line trains on N local processes. The ranks are
-then this process's children: SIGTERM or Ctrl-C here is forwarded to them as SIGTERM (they save
-at the next step boundary and exit 0, and so does this command); a second Ctrl-C kills them at
-once (exit 130). A user-input error is printed once for all ranks that saw it (exit 2), without
+then this process's children: SIGTERM or Ctrl-C here is forwarded to them as it came (they save
+at the next step boundary, say which signal, and exit 0, and so does this command); a second
+Ctrl-C kills them at once (exit 130). A user-input error is printed once for all ranks that saw it (exit 2), without
 torchrun's failure summary, with one rank as with many; a rank's internal failure keeps its
 traceback (exit 1); a restart under ``--max-restarts`` names the rank that failed
 (:mod:`seqpar.train.relay`).
@@ -118,21 +118,25 @@ def _children() -> list[int]:
 
 
 class _Forward:
-    """The launcher's SIGTERM / SIGINT: every rank is asked to stop (SIGTERM, the ranks' stop request);
-    a second Ctrl-C (more than a second after the first, so one keypress reaching the whole process
-    group counts once) kills the ranks and raises ``KeyboardInterrupt``."""
+    """The launcher's SIGTERM / SIGINT: every rank is asked to stop with the signal received (both
+    are the ranks' stop request, and their line names it: ``SIGINT received`` for a Ctrl-C); a second
+    Ctrl-C (more than a second after the first, so one keypress reaching the whole process group
+    counts once) kills the ranks and raises ``KeyboardInterrupt`` (exit 130), remembered in
+    ``aborted`` so that the ranks' own ends do not turn it into a failure."""
 
     def __init__(self):
         self.first: float | None = None
+        self.aborted = False
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
         again = self.first is not None and time.monotonic() - self.first > 1.0
         if signum == signal.SIGINT and again:
+            self.aborted = True
             self._send(signal.SIGKILL)
             raise KeyboardInterrupt
         self.first = self.first if self.first is not None else time.monotonic()
-        self._send(signal.SIGTERM)
+        self._send(signum)
 
     @staticmethod
     def _send(sig: int) -> None:
@@ -164,8 +168,16 @@ def _launch(args) -> int:
     try:
         run(targs)
     except ChildFailedError as e:
+        if forward.aborted:  # ranks ended by the second Ctrl-C: the interrupt, not their failure
+            raise KeyboardInterrupt from None
         return report_failures(e.failures, args.nproc_per_node)
+    except BaseException:
+        if forward.aborted:
+            raise KeyboardInterrupt from None
+        raise
     finally:
         restarts.remove()
         forward.restore()
+    if forward.aborted:
+        raise KeyboardInterrupt
     return 0
