@@ -43,6 +43,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50 parallel.tp=2")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="start torchrun with this many local processes (ignored under torchrun)")
+    p.add_argument("--show-config", action="store_true",
+                   help="print the config with the overrides applied before training (the run writes its "
+                        "resolved config to OUT_DIR/config.yaml either way)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="with --nproc-per-node: restarts torchrun may make; each resumes from the latest checkpoint")
     return p
@@ -66,6 +69,9 @@ def run(args: argparse.Namespace) -> int:
     """Train as parsed: here, or on ``--nproc-per-node`` local ranks started through torchrun."""
     from ..config import load_run_config
     cfg = load_run_config(args.config, args.overrides)  # fail fast, before any process is started
+    if args.show_config and int(os.environ.get("RANK", "0")) == 0:
+        from ..config import dump
+        print("config:\n" + "\n".join("  " + line for line in dump(cfg).splitlines()), flush=True)
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise UserError(f"--nproc-per-node must be at least 1 (got {args.nproc_per_node})")
     if args.nproc_per_node and "LOCAL_RANK" not in os.environ:

@@ -155,10 +155,10 @@ class Trainer:
         for note in (self.run.recompute_note, self.run.batch_note):
             if note:
                 self.logger.print(note)
-        if self.mesh.is_first:
+        if self.mesh.is_first:  # the config in full: the file (and `seqpar train --show-config`)
             Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
             (Path(cfg.out_dir) / "config.yaml").write_text(dump(cfg))
-            self.logger.print("resolved config:\n" + "\n".join("  " + line for line in dump(cfg).splitlines()))
+            self.logger.print(f"outputs: checkpoints {cfg.checkpoint.dir}, {self.logger.where}")
 
     def _setup_data(self) -> None:
         """Corpus, the training stream of this dp rank, fixed eval batches, the tokenizer attachment."""
