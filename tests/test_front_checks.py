@@ -83,3 +83,25 @@ def _mesh_against_config(rank, world, tmp):
 def test_a_mesh_that_contradicts_the_config_is_refused_on_every_rank(spawn, tmp_path):
     said = spawn(_mesh_against_config, 2, tmp_path)
     assert all("parallel.tp=1 but mesh tp=2" in s and "parallel.dp=2 but mesh dp=1" in s for s in said), said
+
+
+def test_a_text_file_of_random_bytes_is_refused_naming_it_and_the_count(tmp_path, capsys):
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "good.txt").write_text("def x ( ) : return x\n" * 200 + "caf\u00e9 \ufffd\n")
+    (tmp_path / "texts" / "noise.txt").write_bytes(np.random.default_rng(0).integers(0, 256, 4000,
+                                                                                      dtype=np.uint8).tobytes())
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(["<|endoftext|>", "<unk>", "def", "x"])},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    overrides = [o for o in run_overrides(tmp_path, {**RUN, "train.steps": 1, "model.vocab_size": 300}) if not o.startswith("data.source")]
+    data = [f"data.tokenizer={tmp_path / 'tokenizer.json'}", f"data.cache_dir={tmp_path / 'cache'}"]
+    assert seqpar(["train", *overrides, *data, f"data.source={tmp_path / 'texts'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "noise.txt" in err[0] and "undecodable sequences in 4,000 bytes" in err[0], err
+    (tmp_path / "texts" / "noise.txt").unlink()  # a stray U+FFFD or accented text is fine
+    assert seqpar(["train", *overrides, *data, f"data.source={tmp_path / 'texts'}",
+                   f"checkpoint.dir={tmp_path / 'ck2'}"]) == 0
