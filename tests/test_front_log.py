@@ -46,3 +46,36 @@ def test_parameters_on_this_rank_are_the_fsdp_shard(spawn, tmp_path):
     full, here = (int(x.replace(",", "")) for x in re.search(r"parameters: ([\d,]+) in the full model, ([\d,]+) on "
                                                               r"this rank", out).groups())
     assert full / 2 <= here < full * 0.6, out
+
+
+def test_a_corpus_another_rank_encoded_still_gets_its_data_line(tmp_path):
+    from seqpar.data.corpus import prepare_corpus
+
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("def f(x):\n    return x + 1\n" * 300)
+    first, second = [], []
+    for lines in (first, second):  # the second caller finds the cache the first one built
+        prepare_corpus(tmp_path / "texts", vocab_size=300, cache_dir=tmp_path / "cache", log=lines.append)
+    assert any(ln.startswith("data: encoded 1 documents") for ln in first), first
+    assert any(re.match(r"data: 1 documents, [\d,]+ tokens \(cache ", ln) for ln in second), second
+
+
+def test_the_end_of_run_sample_starts_from_the_data_or_the_given_prompt(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<|endoftext|>", "<unk>", "the", "cat", "sat", "on", "mat", "."]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "texts").mkdir()
+    for i in range(4):
+        (tmp_path / "texts" / f"{i}.txt").write_text("the cat sat on the mat . " * 60)
+    base = [o for o in run_overrides(tmp_path, {**RUN, "model.vocab_size": 300}) if not o.startswith("data.source")]
+    base += [f"data.source={tmp_path / 'texts'}", f"data.tokenizer={tmp_path / 'tokenizer.json'}",
+             f"data.cache_dir={tmp_path / 'cache'}", "data.eval_fraction=0.3"]
+    samples = {}
+    for name, extra in (("data", []), ("given", ["train.sample_prompt=cat on"])):
+        assert seqpar(["train", *base, *extra, f"checkpoint.dir={tmp_path / name}"]) == 0
+        samples[name] = capsys.readouterr().out.split("sample:\n", 1)[1]
+    assert samples["data"].startswith("the cat sat"), samples
+    assert samples["given"].startswith("cat on"), samples

@@ -283,8 +283,9 @@ class Trainer:
         all_reduce(total, world)
         return float(total / group_size(world))
 
-    def sample(self, prompt: str = "def ", max_new_tokens: int = 48) -> str:
-        """Text continuing ``prompt`` (seeded by ``train.seed``); a collective under TP, call on every rank."""
+    def sample(self, prompt: str | None = None, max_new_tokens: int = 48) -> str:
+        """Text continuing ``prompt`` (default: ``train.sample_prompt``, else a document's opening from
+        the held-out data), seeded by ``train.seed``; a collective under TP, call on every rank."""
         if self.corpus.tokenizer is None:
             raise ValueError(f"sample: the corpus {self.run.cfg.data.source!r} is a bare token file without a "
                              f"tokenizer.json beside it")
@@ -292,6 +293,7 @@ class Trainer:
             raise ValueError("sample: this rank holds pipeline stages or context-parallel chunks, not the whole "
                              "model; sample from a checkpoint with seqpar generate")
         try:
+            prompt = prompt if prompt is not None else self.run.cfg.train.sample_prompt or self.corpus.opening()
             ids = sample_ids(self.engine.full_model, self.corpus.encode(prompt), max_new_tokens,
                              seed=self.run.cfg.train.seed)
         finally:
