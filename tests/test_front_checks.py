@@ -105,3 +105,17 @@ def test_a_text_file_of_random_bytes_is_refused_naming_it_and_the_count(tmp_path
     (tmp_path / "texts" / "noise.txt").unlink()  # a stray U+FFFD or accented text is fine
     assert seqpar(["train", *overrides, *data, f"data.source={tmp_path / 'texts'}",
                    f"checkpoint.dir={tmp_path / 'ck2'}"]) == 0
+
+
+def test_an_out_dir_in_use_by_a_running_job_is_refused(tmp_path):
+    from seqpar.checkpoint.files import OUT_LOCK, CheckpointDir
+
+    other = CheckpointDir(tmp_path / "out", OUT_LOCK, "out_dir")
+    other.lock()  # another job's hold (flock: separate open files conflict, in one process too)
+    try:
+        with pytest.raises(UserError) as err:
+            Trainer(load_run_config(None, run_overrides(tmp_path, RUN)), mesh=ParallelMesh.single())
+        assert f"out_dir {tmp_path / 'out'} is in use by another job (host" in _one_line(err.value)
+    finally:
+        other.close()
+    Trainer(load_run_config(None, run_overrides(tmp_path, RUN)), mesh=ParallelMesh.single()).close()

@@ -122,7 +122,7 @@ class Trainer:
         self._ahead: tuple[int, list[Batch]] | None = None  # the next step's batches, on their way (CUDA)
         self._ckpt_dir = None  # the job's lock on checkpoint.dir (rank 0), held until close()
         try:
-            self._ckpt_dir = open_checkpoint_dir(cfg.checkpoint.dir, self.mesh.is_first)
+            self._ckpt_dir = open_checkpoint_dir(cfg.checkpoint.dir, self.mesh.is_first, out_dir=cfg.out_dir)
             self._announce()
             self._setup_data()
             self.precision = Precision(cfg.train.precision, self.mesh.device, fsdp=self.run.dp_mode == "fsdp")
