@@ -36,21 +36,39 @@ def _known(tok, value) -> int | None:
     return value if value is not None and tok.id_to_token(value) is not None else None
 
 
+def _named_ids(tok, hf_dir: Path) -> dict[str, int]:
+    """``{"bos" | "eos" | "pad": id}`` of the tokens ``hf_dir/tokenizer_config.json`` names (as a
+    string or ``{"content": ...}``) that the tokenizer has."""
+    try:
+        config = json.loads((hf_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    out = {}
+    for kind in ("bos", "eos", "pad"):
+        name = config.get(f"{kind}_token") if isinstance(config, dict) else None
+        name = name.get("content") if isinstance(name, dict) else name
+        found = tok.token_to_id(name) if isinstance(name, str) else None
+        if found is not None:
+            out[kind] = found
+    return out
+
+
 def imported_origin(tok_file: Path | None, hf_config, hf_dir: Path) -> dict:
-    """``tokenizer_origin.json``'s content for an import: the model config's bos / eos / pad ids where
-    the tokenizer knows them, else its end-of-text token (``tokenizer_config.json``'s eos, the usual
-    names) for eos and bos."""
+    """``tokenizer_origin.json``'s content for an import: the bos / eos / pad tokens
+    ``tokenizer_config.json`` names, else the model config's ids where the tokenizer has them, else
+    its end-of-text token (the usual names) for eos and bos."""
     if tok_file is None:
         return {}
     tok = _tokenizer(tok_file)
-    eos = _known(tok, getattr(hf_config, "eos_token_id", None))
+    named = _named_ids(tok, hf_dir)  # tokenizer_config.json's tokens first: they are the tokenizer's own
+    eos = named.get("eos", _known(tok, getattr(hf_config, "eos_token_id", None)))
     if eos is None:
         try:
             eos = find_eot(tok, hf_dir)
         except ValueError:  # TokenizerError: none of the usual end-of-text names
             eos = None
-    bos = _known(tok, getattr(hf_config, "bos_token_id", None))
-    pad = _known(tok, getattr(hf_config, "pad_token_id", None))
+    bos = named.get("bos", _known(tok, getattr(hf_config, "bos_token_id", None)))
+    pad = named.get("pad", _known(tok, getattr(hf_config, "pad_token_id", None)))
     return {"origin": "given", "eot_id": eos, "bos_id": bos if bos is not None else eos, "pad_id": pad}
 
 
