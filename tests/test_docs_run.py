@@ -194,7 +194,8 @@ def test_every_line_is_run_or_listed_with_a_reason():
     assert stale == [], f"NOT_RUN lists lines no page has: {stale}"
     for page, block in python_blocks():
         runnable = "init_parallel(" in block
-        assert runnable or excerpt_source(block), f"{page}: a python block that neither runs nor is an excerpt:\n{block}"
+        where = f"{page}: a python block that neither runs nor is an excerpt:\n"
+        assert runnable or excerpt_source(block), where + block
 
 
 def test_documented_commands_run_as_written(scratch):

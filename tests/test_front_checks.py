@@ -97,7 +97,8 @@ def test_a_text_file_of_random_bytes_is_refused_naming_it_and_the_count(tmp_path
                                      unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(tmp_path / "tokenizer.json"))
-    overrides = [o for o in run_overrides(tmp_path, {**RUN, "train.steps": 1, "model.vocab_size": 300}) if not o.startswith("data.source")]
+    settings = {**RUN, "train.steps": 1, "model.vocab_size": 300}
+    overrides = [o for o in run_overrides(tmp_path, settings) if not o.startswith("data.source")]
     data = [f"data.tokenizer={tmp_path / 'tokenizer.json'}", f"data.cache_dir={tmp_path / 'cache'}"]
     assert seqpar(["train", *overrides, *data, f"data.source={tmp_path / 'texts'}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

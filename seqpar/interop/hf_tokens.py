@@ -107,8 +107,8 @@ def write_tokenizer_files(checkpoint: Path, out: Path, ids: dict[str, int | None
         return set()
     tok = _tokenizer(checkpoint / "tokenizer.json")
     names = {key.replace("_id", ""): tok.id_to_token(i) for key, i in ids.items() if i is not None}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len, "clean_up_tokenization_spaces": False,
-              **names}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": seq_len,
+              "clean_up_tokenization_spaces": False, **names}
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     pad = ids["pad_token_id"] if ids["pad_token_id"] is not None else ids["eos_token_id"]
     GenerationConfig(bos_token_id=ids["bos_token_id"], eos_token_id=ids["eos_token_id"],
