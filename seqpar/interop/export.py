@@ -5,8 +5,9 @@ the checkpoint carries a tokenizer, ``tokenizer.json``, ``tokenizer_config.json`
 ``generation_config.json`` with its bos / eos / pad ids (:mod:`seqpar.interop.hf_tokens`), so
 ``AutoModelForCausalLM`` and ``AutoTokenizer`` load it and ``generate`` stops at end of text.
 The family follows the model config: LayerNorm + learned positions + GeLU with biases is GPT-2,
-RMSNorm + RoPE + SwiGLU is Llama; other mixes have no Hugging Face class and are refused. Tensors are read from the checkpoint one at a time (a DCP
-load of one key) and streamed into the safetensors file, so the whole model is never in memory.
+RMSNorm + RoPE + SwiGLU is Llama; other mixes have no Hugging Face class and are refused.
+Tensors are read from the checkpoint one at a time (a DCP load of one key) and streamed into the
+safetensors file, so the whole model is never in memory.
 """
 from __future__ import annotations
 
