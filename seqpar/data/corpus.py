@@ -279,11 +279,10 @@ class Corpus:
 
     def opening(self, n: int = 3, window: int = 1 << 16) -> str:
         """A prompt from the data: the first ``n`` tokens of the first document that starts (after an
-        end-of-text) in the held-out tail's first ``window`` tokens, else the tail's first tokens."""
-        tail = np.asarray(self.split()[1][:window] if len(self.tokens) > 1 else self.tokens[:window])
+        end-of-text) in the held-out tail's first ``window`` tokens, else of the corpus's first document."""
+        tail = np.asarray(self.split()[1][:window])
         starts = np.flatnonzero(tail[:-n] == self.eot_id) + 1 if self.eot_id is not None and len(tail) > n else []
-        at = int(starts[0]) if len(starts) else 0
-        return self.decode(tail[at:at + n])
+        return self.decode(tail[int(starts[0]):int(starts[0]) + n] if len(starts) else self.tokens[:n])
 
     def _tok(self) -> Tokenizer:
         if self.tokenizer is None:
