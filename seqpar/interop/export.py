@@ -60,14 +60,15 @@ def hf_stream(config: GPTConfig, load: Loader) -> Iterator[tuple[str, torch.Tens
         yield theirs, (w.t() if transposed else w)
 
 
-def hf_config(config: GPTConfig, shapes: dict[str, torch.Size]):
+def hf_config(config: GPTConfig, shapes: dict[str, torch.Size], **hf_kwargs):
     """The ``transformers`` config object of ``config``: ``to_hf`` run on the meta device, so its
-    name and value mapping is the one used, without allocating the model."""
+    name and value mapping is the one used, without allocating the model (``hf_kwargs``: to the
+    config, e.g. the special token ids)."""
     from . import gpt2 as interop_gpt2, llama as interop_llama
 
     to_hf = interop_llama.to_hf if family_of(config) == "llama" else interop_gpt2.to_hf
     with torch.device("meta"):
-        model = to_hf(config, {k: torch.empty(s, dtype=config.torch_dtype) for k, s in shapes.items()})
+        model = to_hf(config, {k: torch.empty(s, dtype=config.torch_dtype) for k, s in shapes.items()}, **hf_kwargs)
     model.config.architectures = [type(model).__name__]
     return model.config
 
@@ -121,11 +122,9 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str | None = None)
     header = [(name, tuple(t.shape), target) for name, t in
               hf_stream(config, lambda n: torch.empty(shapes[n], device="meta"))]
     out.mkdir(parents=True, exist_ok=True)
-    cfg = hf_config(config, shapes)
-    cfg.dtype = target
     ids = special_ids(path)  # the checkpoint's tokenizer's, never a family default outside the vocabulary
-    for key, value in ids.items():
-        setattr(cfg, key, value)
+    cfg = hf_config(config, shapes, **ids)
+    cfg.dtype = target
     cfg.save_pretrained(out)
     write_safetensors(out / "model.safetensors", header, hf_stream(config, load))
     written = _copy_tokenizer(path, out) | write_tokenizer_files(path, out, ids, config.seq_len)
