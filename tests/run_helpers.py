@@ -64,7 +64,8 @@ def train_rank(rank, world, overrides, tp, dp):
     from seqpar import init_parallel
     from seqpar.config import load_run_config
     from seqpar.train import train
-    return train(load_run_config(None, overrides), mesh=init_parallel(tp=tp, dp=dp))
+    layout = [f"parallel.tp={tp}", f"parallel.dp={dp}"]  # the mesh's layout (Trainer refuses a contradiction)
+    return train(load_run_config(None, overrides + layout), mesh=init_parallel(tp=tp, dp=dp))
 
 
 def wait_for(cond, proc, log: Path, what: str, timeout: float = 300) -> None:

@@ -189,7 +189,7 @@ def test_fit_evaluates_samples_logs_and_checkpoints_its_tokenizer(spawn, tmp_pat
     (h0, out0, refused0), (h1, out1, refused1) = spawn(_fit_then_resume_other_corpus, 2, tmp_path)
     assert [step for step, _ in h0["eval"]] == [2, 4] and all(math.isfinite(v) for _, v in h0["eval"])
     assert h0["eval"] == h1["eval"] and h0["losses"] == h1["losses"]
-    assert "eval loss" in out0 and "\nsample:\ndef " in out0 and out1 == "", "rank 0 prints, with a sample"
+    assert "eval loss" in out0 and "\nsample:\n" in out0 and out1 == "", "rank 0 prints, with a sample"
     records = [json.loads(line) for line in (tmp_path / "text" / "runs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [2, 4]
     assert all({"lr", "grad norm", "tokens/s"} <= set(r) for r in records if "loss" in r)
@@ -199,6 +199,7 @@ def test_fit_evaluates_samples_logs_and_checkpoints_its_tokenizer(spawn, tmp_pat
     corpus = prepare_corpus(tmp_path / "text", vocab_size=300, cache_dir=cache, log=lambda s: None,
                             exclude=(tmp_path / "text" / "runs", tmp_path / "text" / "ckpt"))
     assert len([p for p in cache.iterdir() if p.is_dir()]) == 1
+    assert out0.split("\nsample:\n", 1)[1].startswith(corpus.opening())  # the sample starts from the data
     # the checkpoint carries the corpus's tokenizer; a corpus with another tokenizer cannot resume it
     assert json.loads((ckpt / "tokenizer.json").read_text()) == json.loads(corpus.tokenizer.to_str())
     assert refused0 == refused1 and "different tokenizer" in refused0 and str(ckpt) in refused0

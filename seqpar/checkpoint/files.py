@@ -27,6 +27,7 @@ from .safe_metadata import capped_repr
 PREFIX = "step_"
 MARKER = "complete.json"
 LOCK = ".lock"
+OUT_LOCK = ".out.lock"  # a running job's hold on its out_dir (metrics.jsonl, TensorBoard)
 _STEP = re.compile(r"step_(\d+)")
 
 
@@ -226,29 +227,31 @@ def _prune(root: Path, final: Path, keep: int, pinned: Path | None = None) -> No
 class CheckpointDir:
     """A job's hold on its checkpoint dir (see :func:`open_checkpoint_dir`); :meth:`close` releases it."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    def __init__(self, root: Path, lock_name: str = LOCK, key: str = "checkpoint.dir"):
+        self.root, self.lock_name, self.key = root, lock_name, key
         self._lock_file = None  # open and flock-ed on the first rank
+        self.others: list[CheckpointDir] = []  # more folders this job holds (out_dir), released with it
 
     def lock(self) -> None:
         """Take the exclusive lock or raise :class:`CheckpointInUse` naming the holder (host, pid, since)."""
+        what = f"{'checkpoint dir' if self.key == 'checkpoint.dir' else self.key} {self.root}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            f = open(self.root / LOCK, "a+")
+            f = open(self.root / self.lock_name, "a+")
         except OSError as e:  # checkpoint.dir names a file, or a folder this user may not write
-            raise CheckpointError(f"cannot use checkpoint dir {self.root}: {e.strerror or e}") from e
+            raise CheckpointError(f"cannot use {what}: {e.strerror or e}") from e
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
             holder = f.read(400).strip() or "unknown holder"
             f.close()
-            raise CheckpointInUse(f"checkpoint dir {self.root} is in use by another job ({holder}); two jobs must "
-                               f"not share checkpoint.dir: give this one its own or stop the other") from None
+            raise CheckpointInUse(f"{what} is in use by another job ({holder}); two jobs must not share "
+                                  f"{self.key}: give this one its own or stop the other") from None
         except OSError as e:
             f.close()
-            raise CheckpointInUse(f"cannot lock checkpoint dir {self.root} ({e}); multi-node runs need a shared "
-                               f"filesystem with flock support for checkpoint.dir") from e
+            raise CheckpointInUse(f"cannot lock {what} ({e}); multi-node runs need a shared "
+                                  f"filesystem with flock support for {self.key}") from e
         f.seek(0)
         f.truncate()
         f.write(f"host {socket.gethostname()}, pid {os.getpid()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
@@ -257,6 +260,8 @@ class CheckpointDir:
 
     def close(self) -> None:
         """Release the lock (idempotent)."""
+        for other in self.others:
+            other.close()
         if self._lock_file is not None:
             fcntl.flock(self._lock_file, fcntl.LOCK_UN)
             self._lock_file.close()
@@ -286,16 +291,20 @@ def _clean(root: Path) -> None:
     _fsync(root)
 
 
-def open_checkpoint_dir(root: str | Path, is_first: bool) -> CheckpointDir:
+def open_checkpoint_dir(root: str | Path, is_first: bool, out_dir: str | Path | None = None) -> CheckpointDir:
     """Claim ``root`` for this job; call on every rank at start-up (a collective when distributed).
     The first rank (global rank 0) creates ``root``, takes an exclusive ``flock`` on ``root/.lock``
     held until :meth:`CheckpointDir.close`, and cleans up after crashed saves (:func:`_clean`). If
-    another job holds the lock, every rank raises :class:`CheckpointInUse` naming it (host, pid)."""
+    another job holds the lock, every rank raises :class:`CheckpointInUse` naming it (host, pid).
+    ``out_dir`` (the run's metrics and logs) is claimed the same way, on ``out_dir/.out.lock``."""
     handle, error = CheckpointDir(Path(root)), None
     if is_first:
         try:
             handle.lock()
             _clean(handle.root)
+            if out_dir is not None:
+                handle.others.append(CheckpointDir(Path(out_dir), OUT_LOCK, "out_dir"))
+                handle.others[-1].lock()
         except Exception as e:  # reported on every rank below, so no rank waits in a collective
             handle.close()
             error = e

@@ -172,12 +172,14 @@ class TrainConfig(Freezable):
     # refuse, before anything is built, a run whose predicted peak memory per rank (the planner's
     # formulas) exceeds the device's (a GPU's memory; on the CPU the host's RAM over its ranks)
     memory_check: bool = True
+    # the end-of-run sample's prompt; None = the first tokens of a held-out document
+    sample_prompt: str | None = None
 
     def validate(self) -> None:
         for name in ("steps", "micro_batch", "global_batch", "log_interval", "eval_batches", "threads_per_rank",
                      "max_skipped_steps"):
             check_at_least(f"train.{name}", getattr(self, name), 1)
-        for name in ("warmup_steps", "eval_interval"):
+        for name in ("warmup_steps", "eval_interval", "seed"):
             check_at_least(f"train.{name}", getattr(self, name), 0)
         check_number("train.lr", self.lr, "> 0")
         check_number("train.min_lr", self.min_lr, ">= 0")

@@ -30,10 +30,27 @@ _CORE_RESOLVERS = [  # (tag, pattern, possible first characters); the first matc
 ]
 
 
+class DuplicateKey(yaml.YAMLError):
+    """A mapping that names one key twice (YAML would keep the last silently)."""
+
+
 class Loader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` with the YAML 1.2 core schema's implicit types."""
+    """``yaml.SafeLoader`` with the YAML 1.2 core schema's implicit types; a key given twice in one
+    mapping is an error (:class:`DuplicateKey`), keys brought in by a ``<<`` merge may be overridden."""
 
     yaml_implicit_resolvers: dict = {}
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[str, int] = {}
+        for key_node, _ in node.value if isinstance(node, yaml.MappingNode) else []:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            line = key_node.start_mark.line + 1
+            if key_node.value in seen:
+                raise DuplicateKey(f"key {key_node.value!r} is given twice in one mapping (lines "
+                                   f"{seen[key_node.value]} and {line}); keep one")
+            seen[key_node.value] = line
+        return super().construct_mapping(node, deep)
 
 
 class Dumper(yaml.SafeDumper):

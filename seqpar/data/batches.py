@@ -89,7 +89,9 @@ class TokenBatches:
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("seed") != self.seed:
-            raise DataError(f"TokenBatches: checkpoint seed {state.get('seed')!r} differs from seed {self.seed}")
+            raise DataError(f"train.seed={self.seed} differs from the checkpoint's train.seed={state.get('seed')!r}, "
+                            f"which fixes the order of its training windows; resume with "
+                            f"train.seed={state.get('seed')!r} (or train into a new checkpoint.dir)")
         self.step = int(state["step"])
 
 

@@ -173,6 +173,7 @@ def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_d
     lock, given = base / f"{plan.folder.name}.lock", tokenizer is not None
     with locked(lock, log, timeout_s=lock_timeout_s):
         meta, problem = cache_problem(plan.folder, plan.fp, vocab_size)
+        ready = meta is not None  # built before (or by another rank): say what it holds, once here
         if meta is None:
             if (plan.folder / "meta.json").exists() or (plan.folder / "tokens.bin").exists():
                 log(f"data: rebuilding the corpus cache: {problem}")
@@ -185,6 +186,8 @@ def prepare_corpus(source: str | Path | None = None, *, vocab_size: int, cache_d
             meta, problem = cache_problem(plan.folder, plan.fp, vocab_size)
             if meta is None:
                 meta = _finish(job, source, vocab_size, log, given)
+    if ready:
+        log(f"data: {meta.get('documents', '?')} documents, {int(meta['tokens']):,} tokens (cache {plan.folder})")
     return _open_folder(plan.folder, meta, vocab_size, given=tokenizer is not None)
 
 
@@ -273,6 +276,13 @@ class Corpus:
             raise DataError(f"eval_fraction must lie in [0, 1), got {eval_fraction}")
         cut = len(self.tokens) - int(len(self.tokens) * eval_fraction)
         return self.tokens[:cut], self.tokens[cut:]
+
+    def opening(self, n: int = 3, window: int = 1 << 16) -> str:
+        """A prompt from the data: the first ``n`` tokens of the first document that starts (after an
+        end-of-text) in the held-out tail's first ``window`` tokens, else of the corpus's first document."""
+        tail = np.asarray(self.split()[1][:window])
+        starts = np.flatnonzero(tail[:-n] == self.eot_id) + 1 if self.eot_id is not None and len(tail) > n else []
+        return self.decode(tail[int(starts[0]):int(starts[0]) + n] if len(starts) else self.tokens[:n])
 
     def _tok(self) -> Tokenizer:
         if self.tokenizer is None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Protocol
 
+from .errors import DataError
+
 PIECE_FILES, PIECE_BYTES = 256, 4 << 20  # at most this many files / bytes in one piece of a text source
 
 
@@ -23,10 +25,25 @@ class Document:
     mtime_ns: int
 
 
+BAD_BYTES_MIN, BAD_BYTES_SHARE = 16, 0.001  # more undecodable bytes than both: not a text file
+
+
 def read_document(doc: Document) -> str:
-    """The listed prefix of ``doc`` as text (undecodable bytes replaced)."""
+    """The listed prefix of ``doc`` as text. A few undecodable bytes are replaced (a cut may split a
+    character, a file may hold a stray byte); more than :data:`BAD_BYTES_MIN` and
+    :data:`BAD_BYTES_SHARE` of the file raise :class:`DataError` naming the file and the count."""
     with open(doc.path, "rb") as f:
-        return f.read(doc.nbytes).decode("utf-8", errors="replace")  # a cut may split a character
+        raw = f.read(doc.nbytes)
+    text = raw.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - raw.count("\ufffd".encode())  # replacements, not U+FFFD in the file
+    if bad > BAD_BYTES_MIN and bad > BAD_BYTES_SHARE * len(raw):
+        try:
+            raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            first = e.start
+        raise DataError(f"{doc.path}: {bad} undecodable sequences in {len(raw):,} bytes (the first at byte "
+                        f"{first}) - not UTF-8 text; convert it to UTF-8 or leave it out of data.source")
+    return text
 
 
 class Piece(Protocol):

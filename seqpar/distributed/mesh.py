@@ -226,6 +226,17 @@ def _init_default_group(backend: str, device: torch.device, world_size: int, ran
     dist.init_process_group(**kwargs)
 
 
+def _check_sizes(**sizes) -> None:
+    """``init_parallel``'s sizes are ints (``dp``, ``rank``, ``world_size``: or None), sizes >= 1."""
+    for name, value in sizes.items():
+        if value is None and name in ("dp", "rank", "world_size"):
+            continue
+        low = 0 if name == "rank" else 1
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise UserError(f"init_parallel({name}={value!r}): {name} must be an int >= {low}"
+                            + (" or None" if name in ("dp", "rank", "world_size") else ""))
+
+
 def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, cp: int = 1, rank: int | None = None,
                   world_size: int | None = None, init_method: str | None = None,
                   backend: str | None = None, timeout: timedelta = DEFAULT_TIMEOUT,
@@ -246,6 +257,7 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, cp: int = 
     an all-reduce) but not for send/recv. Slow; it exists so that one GPU can run the multi-rank
     paths (tests/gpu/test_gpu_multirank.py), not for training.
     """
+    _check_sizes(tp=tp, dp=dp, pp=pp, cp=cp, rank=rank, world_size=world_size)
     launched = dist.is_initialized() or "WORLD_SIZE" in os.environ or world_size is not None
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))

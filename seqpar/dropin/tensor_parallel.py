@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..distributed.collectives import ProcessGroup, check_group, group_size
 from ..distributed.mesh import ParallelMesh
+from ..errors import UserError
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, skip_init
 from .kv_heads import check_kv, kv_groups, set_kv_attrs
 from .modes import check_groups, check_sp_plan, install_mode
@@ -221,6 +222,17 @@ def _refuse_save_pretrained(*args, **kwargs):
                      "the full weights and writes them, with the config, from rank 0)")
 
 
+def _check_arguments(model, plan, mesh) -> None:
+    """``parallelize``'s arguments are of the types it takes (an error naming the argument)."""
+    for name, value, types, want in (("model", model, nn.Module, "a torch.nn.Module"),
+                                     ("plan", plan, (Plan, dict), "a Plan or a dict {pattern: style} "
+                                      "(seqpar.plans.gpt2(), seqpar.plans.llama())"),
+                                     ("mesh", mesh, (ParallelMesh, type(None)), "a ParallelMesh "
+                                      "(seqpar.init_parallel) or None")):
+        if not isinstance(value, types):
+            raise UserError(f"parallelize({name}=...): {name} must be {want}, got {type(value).__name__}")
+
+
 def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style], mesh: ParallelMesh | None, *,
                 sequence_parallel: bool = True) -> nn.Module:
     """Apply ``plan`` to ``model`` in place over ``mesh``'s TP group and return it.
@@ -234,6 +246,7 @@ def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style], mesh: Par
     ``save_pretrained`` (Hugging Face) is replaced by an error pointing to
     :func:`seqpar.dropin.save_pretrained`, which gathers the weights first.
     """
+    _check_arguments(model, plan, mesh)
     plan = plan if isinstance(plan, Plan) else Plan(layers=dict(plan))
     _refuse_wrapped(model)
     inner = unwrap(model)

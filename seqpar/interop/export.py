@@ -1,11 +1,13 @@
 """``seqpar export CHECKPOINT OUT --format hf``: a seqpar checkpoint as a Hugging Face model folder.
 
-``OUT`` gets ``config.json`` (a ``GPT2Config`` or ``LlamaConfig``), ``model.safetensors`` and the
-checkpoint's ``tokenizer.json`` when it has one, so ``transformers.AutoModelForCausalLM
-.from_pretrained(OUT)`` loads it. The family follows the model config: LayerNorm + learned
-positions + GeLU with biases is GPT-2, RMSNorm + RoPE + SwiGLU is Llama; other mixes have no
-Hugging Face class and are refused. Tensors are read from the checkpoint one at a time (a DCP
-load of one key) and streamed into the safetensors file, so the whole model is never in memory.
+``OUT`` gets ``config.json`` (a ``GPT2Config`` or ``LlamaConfig``), ``model.safetensors`` and, when
+the checkpoint carries a tokenizer, ``tokenizer.json``, ``tokenizer_config.json`` and
+``generation_config.json`` with its bos / eos / pad ids (:mod:`seqpar.interop.hf_tokens`), so
+``AutoModelForCausalLM`` and ``AutoTokenizer`` load it and ``generate`` stops at end of text.
+The family follows the model config: LayerNorm + learned positions + GeLU with biases is GPT-2,
+RMSNorm + RoPE + SwiGLU is Llama; other mixes have no Hugging Face class and are refused.
+Tensors are read from the checkpoint one at a time (a DCP load of one key) and streamed into the
+safetensors file, so the whole model is never in memory.
 """
 from __future__ import annotations
 
@@ -20,11 +22,13 @@ import torch
 from ..checkpoint.safetensors import write_safetensors
 from ..errors import UserError, file_error
 from ..model.config import DTYPES, GPTConfig
+from .hf_tokens import special_ids, write_tokenizer_files
 
 Loader = Callable[[str], torch.Tensor]
 # every file an export of either format writes; a folder holds one export, so after writing one the
 # others (left by an earlier export, in the other format or from a checkpoint with a tokenizer) go
-EXPORT_FILES = ("config.json", "config.yaml", "model.safetensors", "tokenizer.json")
+EXPORT_FILES = ("config.json", "config.yaml", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+                "generation_config.json")
 
 
 def family_of(config: GPTConfig) -> str:
@@ -56,14 +60,15 @@ def hf_stream(config: GPTConfig, load: Loader) -> Iterator[tuple[str, torch.Tens
         yield theirs, (w.t() if transposed else w)
 
 
-def hf_config(config: GPTConfig, shapes: dict[str, torch.Size]):
+def hf_config(config: GPTConfig, shapes: dict[str, torch.Size], **hf_kwargs):
     """The ``transformers`` config object of ``config``: ``to_hf`` run on the meta device, so its
-    name and value mapping is the one used, without allocating the model."""
+    name and value mapping is the one used, without allocating the model (``hf_kwargs``: to the
+    config, e.g. the special token ids)."""
     from . import gpt2 as interop_gpt2, llama as interop_llama
 
     to_hf = interop_llama.to_hf if family_of(config) == "llama" else interop_gpt2.to_hf
     with torch.device("meta"):
-        model = to_hf(config, {k: torch.empty(s, dtype=config.torch_dtype) for k, s in shapes.items()})
+        model = to_hf(config, {k: torch.empty(s, dtype=config.torch_dtype) for k, s in shapes.items()}, **hf_kwargs)
     model.config.architectures = [type(model).__name__]
     return model.config
 
@@ -117,11 +122,13 @@ def export_hf(checkpoint: str | Path, out: str | Path, dtype: str | None = None)
     header = [(name, tuple(t.shape), target) for name, t in
               hf_stream(config, lambda n: torch.empty(shapes[n], device="meta"))]
     out.mkdir(parents=True, exist_ok=True)
-    cfg = hf_config(config, shapes)
+    ids = special_ids(path)  # the checkpoint's tokenizer's, never a family default outside the vocabulary
+    cfg = hf_config(config, shapes, **ids)
     cfg.dtype = target
     cfg.save_pretrained(out)
     write_safetensors(out / "model.safetensors", header, hf_stream(config, load))
-    _drop_stale(out, {"config.json", "model.safetensors"} | _copy_tokenizer(path, out))
+    written = _copy_tokenizer(path, out) | write_tokenizer_files(path, out, ids, config.seq_len)
+    _drop_stale(out, {"config.json", "model.safetensors"} | written)
     return out
 
 

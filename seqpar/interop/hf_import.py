@@ -4,7 +4,8 @@
 GPT-2 or Llama-family model; nothing is downloaded. The result is step 0 of ``CHECKPOINT_DIR``:
 the weights in seqpar's dense layout, a fresh AdamW state (zero moments), the data position at
 the start, ``config.yaml`` (the run config, its ``model`` section read from ``HF_DIR`` and its
-``checkpoint.dir`` set to ``CHECKPOINT_DIR``) and the tokenizer as ``tokenizer.json``. So
+``checkpoint.dir`` set to ``CHECKPOINT_DIR``) and the tokenizer as ``tokenizer.json`` (its bos / eos /
+pad ids in ``tokenizer_origin.json``, which ``seqpar export`` writes back). So
 ``seqpar train CHECKPOINT_DIR/step_00000000/config.yaml data.source=...`` resumes from it at any
 TP size and ``seqpar generate CHECKPOINT_DIR`` samples from it. The model is held in memory about
 twice while converting (the Hugging Face copy, then seqpar's).
@@ -12,13 +13,16 @@ twice while converting (the Hugging Face copy, then seqpar's).
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
 import torch
 
 from ..config import RunConfig, dump, loader, resolve_config
+from ..data.tokenizer import ORIGIN_FILE
 from ..errors import UserError
+from .hf_tokens import imported_origin
 
 # GPTConfig fields read from the Hugging Face config; everything else (recompute, sequence
 # parallelism, ...) comes from --config and the overrides
@@ -99,6 +103,7 @@ def import_hf(hf_dir: str | Path, checkpoint_dir: str | Path, *, config: str | N
         raise UserError(f"{root} already holds checkpoints; import into an empty checkpoint dir")
     hf_model, interop = _load_hf(hf_dir, dtype)
     model_config, dense = interop.from_hf(hf_model)
+    hf_config = hf_model.config
     del hf_model
     run = run_config(model_config, config, list(overrides), root)
     model = GPT(run.model, seed=run.train.seed)
@@ -110,8 +115,13 @@ def import_hf(hf_dir: str | Path, checkpoint_dir: str | Path, *, config: str | N
              "imported_from": str(hf_dir)}
     with tempfile.TemporaryDirectory() as scratch, open_checkpoint_dir(root, is_first=True):
         tok = _tokenizer_file(hf_dir, Path(scratch))
+        attachments = None
+        if tok is not None:  # the tokenizer and its special ids (the export writes them back)
+            origin = Path(scratch) / ORIGIN_FILE
+            origin.write_text(json.dumps(imported_origin(tok, hf_config, hf_dir)))
+            attachments = {"tokenizer.json": tok, ORIGIN_FILE: origin}
         return save_checkpoint(root, 0, model, optimizer, extra, dump(run), model.rng, keep=run.checkpoint.keep,
-                               attachments={"tokenizer.json": tok} if tok else None)
+                               attachments=attachments)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     path = import_hf(args.hf_dir, args.checkpoint_dir, config=args.config, overrides=args.overrides,
                      dtype=args.dtype)  # bad input: one line and exit 2 (seqpar.cli)
-    print(f"wrote {path}\n  train:    seqpar train {path / 'config.yaml'} data.source=TOKENS\n"
+    given = any(o.startswith("data.source=") for o in args.overrides)
+    print(f"wrote {path}\n  train:    seqpar train {path / 'config.yaml'}{'' if given else ' data.source=TOKENS'}\n"
           f"  generate: seqpar generate {path.parent}")
     return 0

@@ -31,6 +31,7 @@ from ..memory import PeakActivationLedger, layers_in_flight
 from ..memory.probe import ActivationProbe
 from ..memory.whole_model import model_activation_bytes
 from ..model import GPT
+from ..sharding import local_tensor
 from .apply import Applied, apply_parallelism
 from .compile import CompileReport
 from .fsdp import reshard
@@ -151,8 +152,8 @@ class PlainEngine(StepEngine):
             reshard(self.model)
 
     def parameters_line(self) -> str:
-        return (f"parameters: {self.model.num_parameters():,} in the full model, "
-                f"{self.model.num_parameters(False):,} on this rank")
+        here = sum(local_tensor(p).numel() for p in self.model.parameters())  # FSDP: this rank's dp shard
+        return f"parameters: {self.model.num_parameters():,} in the full model, {here:,} on this rank"
 
     def memory_line(self) -> str:
         return self.probe.line(self.cfg.model, t=self.mesh.tp_size, micro_batch=self.cfg.train.micro_batch,
@@ -215,7 +216,8 @@ class PipelineEngine(StepEngine):
         return total / len(groups)
 
     def parameters_line(self) -> str:
-        return (f"parameters: {sum(p.numel() for p in self.module.parameters()):,} in pipeline stage(s) "
+        here = sum(local_tensor(p).numel() for p in self.module.parameters())  # FSDP: this rank's dp shard
+        return (f"parameters: {here:,} in pipeline stage(s) "
                 f"{[part.index for part in self.parts]} on this rank ({self.schedule}, {self.accum} "
                 f"micro-batches per step)")
 

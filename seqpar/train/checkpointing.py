@@ -103,6 +103,10 @@ class CheckpointManager:
         if found is None:
             return None
         latest, extra = found
+        step = int(extra["step"])
+        if step > cfg.train.steps:  # every rank read the same step: each raises, no collective follows
+            raise CheckpointMismatch(f"train.steps={cfg.train.steps} is below the step of checkpoint {latest} "
+                                     f"({step}): nothing would train; set train.steps above {step} to continue")
         self._check_batch(latest, extra)
         self.batches.load_state_dict(extra["data"])
         self.good = latest

@@ -2,9 +2,9 @@
 
 With ``--nproc-per-node N`` outside torchrun, this command runs torchrun's agent in this process
 (standalone rendezvous on this machine), so one line trains on N local processes. The ranks are
-then this process's children: SIGTERM or Ctrl-C here is forwarded to them as SIGTERM (they save
-at the next step boundary and exit 0, and so does this command); a second Ctrl-C kills them at
-once (exit 130). A user-input error is printed once for all ranks that saw it (exit 2), without
+then this process's children: SIGTERM or Ctrl-C here is forwarded to them as it came (they save
+at the next step boundary, say which signal, and exit 0, and so does this command); a second
+Ctrl-C kills them at once (exit 130). A user-input error is printed once for all ranks that saw it (exit 2), without
 torchrun's failure summary, with one rank as with many; a rank's internal failure keeps its
 traceback (exit 1); a restart under ``--max-restarts`` names the rank that failed
 (:mod:`seqpar.train.relay`).
@@ -43,6 +43,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=50 parallel.tp=2")
     p.add_argument("--nproc-per-node", type=int, default=None,
                    help="start torchrun with this many local processes (ignored under torchrun)")
+    p.add_argument("--show-config", action="store_true",
+                   help="print the config with the overrides applied before training (the run writes its "
+                        "resolved config to OUT_DIR/config.yaml either way)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="with --nproc-per-node: restarts torchrun may make; each resumes from the latest checkpoint")
     return p
@@ -66,10 +69,14 @@ def run(args: argparse.Namespace) -> int:
     """Train as parsed: here, or on ``--nproc-per-node`` local ranks started through torchrun."""
     from ..config import load_run_config
     cfg = load_run_config(args.config, args.overrides)  # fail fast, before any process is started
+    if args.show_config and int(os.environ.get("RANK", "0")) == 0:
+        from ..config import dump
+        print("config:\n" + "\n".join("  " + line for line in dump(cfg).splitlines()), flush=True)
     if args.nproc_per_node is not None and args.nproc_per_node < 1:
         raise UserError(f"--nproc-per-node must be at least 1 (got {args.nproc_per_node})")
     if args.nproc_per_node and "LOCAL_RANK" not in os.environ:
         return _launch(args)
+    _check_single_process(cfg)
     from .trainer import train
     try:
         train(cfg)
@@ -79,6 +86,19 @@ def run(args: argparse.Namespace) -> int:
     if "LOCAL_RANK" in os.environ:  # a torchrun rank whose run finished (or stopped on a signal) cleanly
         _exit_now(0)
     return 0
+
+
+def _check_single_process(cfg) -> None:
+    """A layout of several ranks started as one plain process: name the flag that starts them."""
+    if "WORLD_SIZE" in os.environ or "LOCAL_RANK" in os.environ:
+        return
+    par = cfg.parallel
+    need = par.tp * par.pp * par.cp * (par.dp or 1)
+    if need > 1:
+        layout = ", ".join(f"{k}={v}" for k, v in (("tp", par.tp), ("pp", par.pp), ("cp", par.cp), ("dp", par.dp))
+                           if v not in (None, 1))
+        raise UserError(f"parallel {layout} needs {need} processes, but this is one process: add "
+                        f"`--nproc-per-node {need}` (or start it under torchrun)")
 
 
 def _exit_now(code: int) -> None:
@@ -104,21 +124,25 @@ def _children() -> list[int]:
 
 
 class _Forward:
-    """The launcher's SIGTERM / SIGINT: every rank is asked to stop (SIGTERM, the ranks' stop request);
-    a second Ctrl-C (more than a second after the first, so one keypress reaching the whole process
-    group counts once) kills the ranks and raises ``KeyboardInterrupt``."""
+    """The launcher's SIGTERM / SIGINT: every rank is asked to stop with the signal received (both
+    are the ranks' stop request, and their line names it: ``SIGINT received`` for a Ctrl-C); a second
+    Ctrl-C (more than a second after the first, so one keypress reaching the whole process group
+    counts once) kills the ranks and raises ``KeyboardInterrupt`` (exit 130), remembered in
+    ``aborted`` so that the ranks' own ends do not turn it into a failure."""
 
     def __init__(self):
         self.first: float | None = None
+        self.aborted = False
         self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
     def _handle(self, signum, frame):
         again = self.first is not None and time.monotonic() - self.first > 1.0
         if signum == signal.SIGINT and again:
+            self.aborted = True
             self._send(signal.SIGKILL)
             raise KeyboardInterrupt
         self.first = self.first if self.first is not None else time.monotonic()
-        self._send(signal.SIGTERM)
+        self._send(signum)
 
     @staticmethod
     def _send(sig: int) -> None:
@@ -150,8 +174,16 @@ def _launch(args) -> int:
     try:
         run(targs)
     except ChildFailedError as e:
+        if forward.aborted:  # ranks ended by the second Ctrl-C: the interrupt, not their failure
+            raise KeyboardInterrupt from None
         return report_failures(e.failures, args.nproc_per_node)
+    except BaseException:
+        if forward.aborted:
+            raise KeyboardInterrupt from None
+        raise
     finally:
         restarts.remove()
         forward.restore()
+    if forward.aborted:
+        raise KeyboardInterrupt
     return 0

@@ -29,6 +29,7 @@ class MetricsLogger:
         self.t0 = time.perf_counter()
         self.tb = None
         self.jsonl = None
+        self.where = ""  # where the outputs go, for the run's header line (first rank)
         if enabled:
             out = Path(out_dir)
             try:
@@ -39,8 +40,10 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
                 self.tb = SummaryWriter(str(out / "tensorboard"))
+                board = f"TensorBoard {out / 'tensorboard'}"
             except ImportError:
-                self.print("(TensorBoard scalars off: `pip install tensorboard` to enable them)")
+                board = "TensorBoard off (pip install tensorboard)"
+            self.where = f"metrics {out / 'metrics.jsonl'}, {board}, resolved config {out / 'config.yaml'}"
 
     def print(self, msg: str) -> None:
         if self.enabled:

@@ -36,6 +36,7 @@ from ..config import RunConfig, dump
 from ..data import Batch, data_streams, load_corpus, tokenizer_attachment
 from ..distributed.collectives import all_reduce, group_size, world_group
 from ..distributed.mesh import ParallelMesh, init_parallel
+from ..errors import UserError
 from ..parallel.data_parallel import state_bytes, state_line
 from ..parallel.compile import compile_seconds
 from ..parallel.engine import build_engine
@@ -60,18 +61,47 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _check_arguments(cfg, mesh) -> None:
+    """``Trainer``'s arguments are of the types it takes; its folders are folders, not files."""
+    if not isinstance(cfg, (RunConfig, ResolvedRun)):
+        raise UserError(f"Trainer(cfg): cfg must be a RunConfig (seqpar.config.load_run_config) or a ResolvedRun, "
+                        f"got {type(cfg).__name__}")
+    if mesh is not None and not isinstance(mesh, ParallelMesh):
+        raise UserError(f"Trainer(mesh=...): mesh must be a ParallelMesh (seqpar.init_parallel), got "
+                        f"{type(mesh).__name__}")
+    run = cfg.cfg if isinstance(cfg, ResolvedRun) else cfg
+    for key, path in (("checkpoint.dir", run.checkpoint.dir), ("out_dir", run.out_dir)):
+        if Path(path).exists() and not Path(path).is_dir():
+            raise UserError(f"{key}={path} is a file, not a folder; point {key} at a folder")
+
+
+def _check_mesh(run: ResolvedRun, mesh: ParallelMesh | None) -> None:
+    """A given mesh has the config's layout (else throughput and the global batch would be wrong)."""
+    if mesh is None:
+        return
+    pc = run.cfg.parallel
+    want = {"tp": pc.tp, "pp": pc.pp, "cp": pc.cp, "dp": run.dp}
+    got = {"tp": mesh.tp_size, "pp": mesh.pp_size, "cp": mesh.cp_size, "dp": mesh.dp_size}
+    if want != got:
+        diff = ", ".join(f"parallel.{k}={want[k]} but mesh {k}={got[k]}" for k in want if want[k] != got[k])
+        raise UserError(f"Trainer(cfg, mesh): the mesh contradicts the config: {diff}; set the config's parallel "
+                        f"section to the mesh's layout (or leave mesh out)")
+
+
 class Trainer:
     """Trains ``cfg.model`` on ``cfg.data`` as configured. Build it on every rank (it validates the
     config before any collective), then call :meth:`fit`; the other methods are its steps.
     ``cfg``: a :class:`RunConfig`, or a run already resolved by :func:`resolve_run`."""
 
     def __init__(self, cfg: RunConfig | ResolvedRun, *, mesh: ParallelMesh | None = None):
+        _check_arguments(cfg, mesh)
         world = mesh.world_size if mesh else _world_size()
         device = mesh.device.type if mesh else _default_device()
         self.run = cfg if isinstance(cfg, ResolvedRun) else resolve_run(
             cfg, world, device, saved_global_batch=resume_global_batch(cfg))
         if self.run.world_size != world:
             raise ValueError(f"the run was resolved for world size {self.run.world_size}, got {world}")
+        _check_mesh(self.run, mesh)
         check_memory(self.run, mesh.device if mesh else device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         cfg = self.run.cfg
         self.mesh = self._setup_mesh(mesh)
@@ -86,7 +116,7 @@ class Trainer:
         self._halt = Halt()  # train.nonfinite_grads=stop with device skips: no update after a bad step
         self._ckpt_dir = None  # the job's lock on checkpoint.dir (rank 0), held until close()
         try:
-            self._ckpt_dir = open_checkpoint_dir(cfg.checkpoint.dir, self.mesh.is_first)
+            self._ckpt_dir = open_checkpoint_dir(cfg.checkpoint.dir, self.mesh.is_first, out_dir=cfg.out_dir)
             self._announce()
             self._setup_data()
             self.precision = Precision(cfg.train.precision, self.mesh.device, fsdp=self.run.dp_mode == "fsdp")
@@ -120,10 +150,10 @@ class Trainer:
         for note in (self.run.recompute_note, self.run.batch_note):
             if note:
                 self.logger.print(note)
-        if self.mesh.is_first:
+        if self.mesh.is_first:  # the config in full: the file (and `seqpar train --show-config`)
             Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
             (Path(cfg.out_dir) / "config.yaml").write_text(dump(cfg))
-            self.logger.print("resolved config:\n" + "\n".join("  " + line for line in dump(cfg).splitlines()))
+            self.logger.print(f"outputs: checkpoints {cfg.checkpoint.dir}, {self.logger.where}")
 
     def _setup_data(self) -> None:
         """Corpus, the training stream of this dp rank, fixed eval batches, the tokenizer attachment."""
@@ -267,8 +297,9 @@ class Trainer:
         all_reduce(total, world)
         return float(total / group_size(world))
 
-    def sample(self, prompt: str = "def ", max_new_tokens: int = 48) -> str:
-        """Text continuing ``prompt`` (seeded by ``train.seed``); a collective under TP, call on every rank."""
+    def sample(self, prompt: str | None = None, max_new_tokens: int = 48) -> str:
+        """Text continuing ``prompt`` (default: ``train.sample_prompt``, else a document's opening from
+        the held-out data), seeded by ``train.seed``; a collective under TP, call on every rank."""
         if self.corpus.tokenizer is None:
             raise ValueError(f"sample: the corpus {self.run.cfg.data.source!r} is a bare token file without a "
                              f"tokenizer.json beside it")
@@ -276,6 +307,7 @@ class Trainer:
             raise ValueError("sample: this rank holds pipeline stages or context-parallel chunks, not the whole "
                              "model; sample from a checkpoint with seqpar generate")
         try:
+            prompt = prompt if prompt is not None else self.run.cfg.train.sample_prompt or self.corpus.opening()
             ids = sample_ids(self.engine.full_model, self.corpus.encode(prompt), max_new_tokens,
                              seed=self.run.cfg.train.seed)
         finally:
