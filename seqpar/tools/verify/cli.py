@@ -24,6 +24,10 @@ def parser() -> argparse.ArgumentParser:
                    help="start no layout after this many seconds; the report lists those not run (default %(default)s)")
     p.add_argument("--fp32", action="store_true", help="run in float32 (tolerance 2e-4) instead of float64 (1e-9)")
     p.add_argument("--steps", type=int, default=2, help="optimizer steps per layout (default %(default)s)")
+    p.add_argument("--dropout", type=float, default=None, metavar="P",
+                   help="dropout of the mask probe (default: 0.1 for seqpar's models, a drop-in model's own)")
+    p.add_argument("--setup", default=None, metavar="MODULE:FUNCTION",
+                   help="a function every rank calls before building the model (register custom ops, plugins)")
     p.add_argument("--no-masks", action="store_true", help="skip the dropout-mask probe")
     p.add_argument("--no-shrink", action="store_true", help="run the model at its own size (slow for real models)")
     p.add_argument("--quiet", action="store_true", help="no progress line per layout")
@@ -34,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     report = verify(args.target, args.layouts, dtype="float32" if args.fp32 else "float64", steps=args.steps,
                     time_budget=args.time_budget, masks=not args.no_masks, progress=not args.quiet,
-                    shrink=not args.no_shrink)
+                    shrink=not args.no_shrink, dropout=args.dropout, setup=args.setup)
     print(report.to_json() if args.json else report.text(), file=sys.stdout)
     return 0 if report.passed else 1
 

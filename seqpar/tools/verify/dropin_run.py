@@ -20,8 +20,6 @@ from .layouts import Layout
 from .steps import global_batch, rank_batches
 from .target import Target, UserModel, as_user_model, load_function
 
-PROBE_DROPOUT = 0.1  # the mask probe's dropout probability
-
 DROPIN_UNSUPPORTED = {  # layout field -> why a drop-in model cannot run it
     "cp": "drop-in plans have no context-parallel attention",
     "pp": "drop-in models have no pipeline stages",
@@ -43,32 +41,32 @@ def dropin_skip_reason(lay: Layout) -> str | None:
     return None
 
 
-def _hf_model(target: Target, dtype: torch.dtype, dropout: float) -> UserModel:
+def _hf_model(target: Target, dtype: torch.dtype, dropout: float | None) -> UserModel:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ... import plans
     keys = dict(target.hf_config)
     keys.pop("model_type", None)
-    if dropout > 0:
+    if dropout is not None:
         keys.update({"gpt2": dict(attn_pdrop=dropout, resid_pdrop=dropout, embd_pdrop=dropout),
                      "llama": dict(attention_dropout=dropout)}[target.hf_type])
     config = AutoConfig.for_model(target.hf_type, **keys)
     config._attn_implementation = "eager"
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", torch_dtype=dtype)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager", dtype=dtype)
     plan = plans.gpt2() if target.hf_type == "gpt2" else plans.llama()
     return UserModel(model, plan, vocab_size=config.vocab_size)
 
 
-def build_user_model(target: Target, dtype: torch.dtype, seed: int, dropout: float = 0.0) -> UserModel:
+def build_user_model(target: Target, dtype: torch.dtype, seed: int, dropout: float | None = 0.0) -> UserModel:
     """The target's model, the same weights on every rank (torch seeded with ``seed`` first), in
-    ``dtype``, training mode. ``dropout > 0`` (the mask probe) turns dropout on: the Hugging Face
-    config's dropouts, or every ``nn.Dropout`` of your module."""
+    ``dtype``, training mode, with every dropout at ``dropout`` (the Hugging Face config's
+    dropouts, or every ``nn.Dropout`` of your module); None keeps the model's own."""
     torch.manual_seed(seed)
     if target.kind == "hf":
         um = _hf_model(target, dtype, dropout)
     else:
         um = as_user_model(load_function(target.function)(), target.function, target.plan)
-        if dropout > 0:
+        if dropout is not None:
             for m in um.model.modules():
                 if isinstance(m, nn.Dropout):
                     m.p = dropout
@@ -96,14 +94,18 @@ def default_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 class DropinRun:
     """One layout of a drop-in model, with the calls :func:`~.steps.train_steps` makes."""
 
-    def __init__(self, target: Target, lay: Layout, *, dtype: str, dropout: float, seed: int):
+    def __init__(self, target: Target, lay: Layout, *, dtype: str, dropout: float | None, seed: int):
         self.lay, self.seed = lay, seed
         um = build_user_model(target, getattr(torch, dtype), seed, dropout)
         self.vocab, self.seq_len, self.loss_fn = _vocab(um), um.seq_len, um.loss or default_loss
         self.mesh = mesh = layout_mesh(lay)
-        model = parallelize(um.model, um.plan, mesh, sequence_parallel=lay.sp)
+        if callable(um.plan):  # your own convert(model, mesh), for a model converted by hand
+            model = um.plan(um.model, mesh)
+        else:
+            model = parallelize(um.model, um.plan, mesh, sequence_parallel=lay.sp)
         if lay.recompute == "selective":
-            streams = RNGStreams(seed, tp_rank=mesh.tp_rank) if dropout > 0 and target.kind == "hf" else None
+            # a Hugging Face model's attention dropout then draws per TP rank (docs/dropin.md)
+            streams = RNGStreams(seed, tp_rank=mesh.tp_rank) if target.kind == "hf" else None
             checkpoint_attention(model, streams=streams)
         self.inner = unwrap(model)
         self.module = self._data_parallel(model)
@@ -129,12 +131,12 @@ class DropinRun:
         return rank_batches(tokens, labels, self.mesh.dp_rank, self.mesh.dp_size, rows)
 
     def forward_backward(self, batches: list) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64)
+        total = None
         for tokens, _ in batches:
             loss = self.loss_fn(self.module, tokens) / len(batches)
             loss.backward()
-            total += loss.detach().double()
-        return total
+            total = loss.detach() if total is None else total + loss.detach()
+        return total  # in the loss's own dtype (the report's loss tolerance follows it)
 
     def clip(self) -> torch.Tensor:
         mesh = self.mesh

@@ -5,9 +5,10 @@
 * a recomputation in backward replays exactly the mask its forward drew.
 
 :class:`DropoutRecorder` observes a step from outside: a dispatch mode sees seqpar's stream draws
-(``seqpar::stream_dropout`` / ``seqpar::core_dropout``) and ``aten.native_dropout``, module hooks see
-``nn.Dropout`` (which draws by ``bernoulli_`` on the CPU, below any op that shows its input). Each
-draw is kept as digests of its input and its mask, with the module it ran in and whether it ran in
+(``seqpar::stream_dropout`` / ``seqpar::core_dropout``) and ``aten.native_dropout``; ``nn.Dropout`` and
+``F.dropout`` on the CPU decompose into ``bernoulli_`` on an empty tensor, scaled, then multiplied
+into the input, so such a mask is paired with the input of the ``mul`` that consumes it. Module
+hooks keep the name of the module each draw ran in. Each draw is kept as digests of its input and its mask, with the module it ran in and whether it ran in
 forward or inside backward (a recomputation). The rules are then checked on digests alone, so
 the check does not trust the model's own idea of which region a dropout is in.
 """
@@ -57,6 +58,7 @@ class DropoutRecorder(TorchDispatchMode):
         self._stack: list[str] = []
         self._ops = _draw_ops()
         self._handles: list = []
+        self._pending: dict[int, torch.Tensor] = {}
 
     def _where(self) -> str:
         return self._stack[-1] if self._stack else "(outside any module)"
@@ -66,9 +68,18 @@ class DropoutRecorder(TorchDispatchMode):
         self.draws.append(Draw(self._where(), backward, tuple(x.shape), digest(x), digest(mask)))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        aten = torch.ops.aten
+        if func in (aten.mul.Tensor, aten.mul_.Tensor) and self._pending and len(args) == 2:
+            for x, noise in (args, args[::-1]):
+                if isinstance(noise, torch.Tensor) and id(noise) in self._pending:
+                    del self._pending[id(noise)]
+                    self._record(x, noise != 0)  # before an in-place mul overwrites the input
+                    break
         out = func(*args, **(kwargs or {}))
         if func in self._ops:
             self._record(args[0], out[1])
+        elif func is aten.bernoulli_.float:
+            self._pending[id(out)] = out  # the noise of a decomposed dropout, until its mul
         return out
 
     def _pre(self, module: nn.Module, args) -> None:
@@ -77,8 +88,6 @@ class DropoutRecorder(TorchDispatchMode):
     def _post(self, module: nn.Module, args, output) -> None:
         if self._stack:
             self._stack.pop()
-        if isinstance(module, nn.Dropout) and module.training and module.p > 0 and args:
-            self._record(args[0], output != 0)
 
     def __enter__(self):
         reg = nn.modules.module

@@ -22,10 +22,10 @@ from .compare import TOLERANCE, Row, compare
 from .layouts import Layout
 from .masks import DropoutRecorder, replay_problems, tp_mask_problems
 from .steps import StepsResult, train_steps
-from .target import Target
+from .target import Target, load_function
 
 ONE_PROCESS = Layout("one process")
-PROBE_DROPOUT = 0.1
+PROBE_DROPOUT = 0.1  # seqpar's GPT: the probe's dropout and attention dropout
 
 
 @dataclass(frozen=True)
@@ -38,14 +38,24 @@ class Options:
     masks: bool = True
     progress: bool = True
     deadline: float | None = None  # time.time() after which no layout starts
+    setup: str | None = None       # "module:function" every rank calls first (plugins, instrumentation)
+    dropout: float | None = None   # the mask probe's dropout; None: PROBE_DROPOUT for seqpar's GPT, the
+    #                                drop-in model's own dropout otherwise
+
+    def probe_dropout(self, target: Target) -> float | None:
+        """The probe's dropout; None keeps a drop-in model's own."""
+        if self.dropout is not None or target.kind != "seqpar":
+            return self.dropout
+        return PROBE_DROPOUT
 
     @property
     def tolerance(self) -> float:
         return TOLERANCE[self.dtype]
 
 
-def make_run(target: Target, lay: Layout, opts: Options, dropout: float = 0.0):
-    """The layout's run object (:class:`~.gpt_run.GPTRun` or :class:`~.dropin_run.DropinRun`)."""
+def make_run(target: Target, lay: Layout, opts: Options, dropout: float | None = 0.0):
+    """The layout's run object (:class:`~.gpt_run.GPTRun` or :class:`~.dropin_run.DropinRun`) with
+    every dropout at ``dropout`` (None: a drop-in model's own)."""
     if target.kind == "seqpar":
         from .gpt_run import GPTRun
         return GPTRun(target.run, lay, dtype=opts.dtype, dropout=dropout, seed=opts.seed)
@@ -62,9 +72,16 @@ def world_mean(x: torch.Tensor) -> torch.Tensor:
     return x / dist.get_world_size()
 
 
+def _setup(opts: Options) -> None:
+    """Default dtype as the library expects, then the caller's ``setup`` function, if any."""
+    torch.set_default_dtype(torch.float32)
+    if opts.setup:
+        load_function(opts.setup)()
+
+
 def reference_main(rank: int, world: int, target: Target, opts: Options) -> StepsResult:
     """The one-process run (``world == 1``)."""
-    torch.set_default_dtype(torch.float32)
+    _setup(opts)
     run = make_run(target, ONE_PROCESS, opts)
     return train_steps(run, run.batches, opts.steps, run.tp_group, world_mean)
 
@@ -75,7 +92,7 @@ def probes_masks(lay: Layout, opts: Options) -> bool:
 
 def mask_problems(target: Target, lay: Layout, opts: Options) -> list[str] | None:
     """One step with dropout on; on rank 0 the mask rules' violations (None: no dropout drawn)."""
-    run = make_run(target, lay, opts, dropout=PROBE_DROPOUT)
+    run = make_run(target, lay, opts, dropout=opts.probe_dropout(target))
     with DropoutRecorder(run.parts[0] if len(run.parts) == 1 else run.module) as rec:
         run.forward_backward(run.batches(0))
     gathered = _gather(rec.draws)
@@ -141,7 +158,7 @@ def run_layout(target: Target, lay: Layout, ref: StepsResult, opts: Options) -> 
 def rank_main(rank: int, world: int, target: Target, layouts: list[Layout], ref: StepsResult,
               opts: Options) -> list[Row] | None:
     """The layouts of one world size, in sequence; rank 0 returns their rows."""
-    torch.set_default_dtype(torch.float32)
+    _setup(opts)
     rows = []
     for lay in layouts:
         if not _go_on(opts):

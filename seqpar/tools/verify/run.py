@@ -14,7 +14,7 @@ from .dropin_run import dropin_skip_reason
 from .layouts import Layout, parse_layout, parse_layouts
 from .ranks import Options, rank_main, reference_main
 from .report import Report
-from .target import Target, resolve_target
+from .target import FUNCTION, Target, resolve_target
 
 DEFAULT_BUDGET_S = 900.0
 COLLECTIVE_TIMEOUT_S = 120.0
@@ -38,6 +38,15 @@ def skip_reason(target: Target, lay: Layout, opts: Options) -> str | None:
     return None
 
 
+def preload_transformers() -> None:
+    """Ranks fork from a server that imported these once (if it has not started yet), instead of
+    every rank importing transformers on its own (seconds each on a shared CPU)."""
+    from ...distributed import local
+    for name in ("transformers", "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2"):
+        if name not in local.PRELOAD:
+            local.PRELOAD.append(name)
+
+
 def _error_rows(layouts: list[Layout], e: BaseException) -> list[Row]:
     first = str(e).splitlines()[0]
     return [Row(lay.name, "error", lay.world, reason=first, problems=[str(e)]) for lay in layouts]
@@ -45,19 +54,29 @@ def _error_rows(layouts: list[Layout], e: BaseException) -> list[Row]:
 
 def verify(target: str | Target, layouts: str | Sequence[str | Layout] | None = None, *, dtype: str = "float64",
            steps: int = 2, time_budget: float | None = DEFAULT_BUDGET_S, masks: bool = True, progress: bool = True,
-           shrink: bool = True) -> Report:
+           shrink: bool = True, dropout: float | None = None, setup: str | None = None) -> Report:
     """Run ``target`` in each of ``layouts`` and in one process and compare them (docs/verify.md).
-    Raises :class:`UserError` for a bad target, layout name, dtype or step count."""
+    ``dropout``: the mask probe's dropout (None: 0.1 for seqpar's GPT, a drop-in model's own).
+    ``setup``: ``"module:function"`` that every rank calls before building anything (register
+    custom ops, import plugins, or plant a bug in a test).
+    Raises :class:`UserError` for a bad target, layout name, dtype, step count or dropout."""
     if dtype not in TOLERANCE:
         raise UserError(f"verify: dtype must be one of {sorted(TOLERANCE)}, got {dtype!r}")
     if not isinstance(steps, int) or steps < 1:
         raise UserError(f"verify: steps must be a positive integer, got {steps!r}")
+    if dropout is not None and not 0.0 <= dropout < 1.0:
+        raise UserError(f"verify: dropout must be in [0, 1), got {dropout!r}")
     lays = _layouts(layouts)
     start = time.monotonic()
     deadline = None if time_budget is None else time.time() + time_budget
-    opts = Options(dtype=dtype, steps=steps, masks=masks, progress=progress, deadline=deadline)
+    if setup is not None and not FUNCTION.match(setup):
+        raise UserError(f"verify: setup must be module:function, got {setup!r}")
+    opts = Options(dtype=dtype, steps=steps, masks=masks, progress=progress, deadline=deadline, dropout=dropout,
+                   setup=setup)
     tgt = target if isinstance(target, Target) else resolve_target(target, shrink=shrink,
                                                                   pp=max(lay.pp for lay in lays))
+    if tgt.kind == "hf":
+        preload_transformers()
     rows: dict[str, Row] = {}
     todo = []
     for lay in lays:
@@ -84,14 +103,15 @@ def verify(target: str | Target, layouts: str | Sequence[str | Layout] | None = 
 def assert_layouts_equal(build_model: Callable[[], Any] | str, plan: Any = None,
                          layouts: str | Sequence[str] | None = ("t2", "t2-nosp", "t2-selective"), *,
                          dtype: str = "float64", steps: int = 2, masks: bool = True,
-                         time_budget: float | None = None) -> Report:
+                         time_budget: float | None = None, setup: str | None = None) -> Report:
     """For pytest: train ``build_model()`` (a module-level function, or ``"module:function"``;
     with ``plan`` it returns the model, without it ``(model, plan)`` or a
     :class:`~.target.UserModel`) in each layout and in one process; raise ``AssertionError``
     naming each layout, parameter and problem unless all agree. Returns the report."""
     name = build_model if isinstance(build_model, str) else f"{build_model.__module__}:{build_model.__qualname__}"
     target = Target("function", name, function=build_model, plan=plan)
-    report = verify(target, layouts, dtype=dtype, steps=steps, masks=masks, progress=False, time_budget=time_budget)
+    report = verify(target, layouts, dtype=dtype, steps=steps, masks=masks, progress=False, time_budget=time_budget,
+                    setup=setup)
     if not report.passed:
         raise AssertionError("\n".join([report.verdict(), *report.problems()]))
     return report

@@ -30,6 +30,7 @@ class StepsResult:
     norms: list[float] = field(default_factory=list)
     grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)  # parameters that got no gradient
+    loss_dtype: str = "float64"  # the dtype the model computed its loss in (HF upcasts logits to fp32)
 
 
 def global_batch(vocab: int, seq_len: int, step: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,6 +80,7 @@ def train_steps(run, batches_of, steps: int, tp_group, world_mean) -> StepsResul
         loss = run.forward_backward(batches_of(step))
         grads, missing = dense_grads(run.parts, tp_group)
         norm = run.clip()
+        out.loss_dtype = str(loss.dtype).removeprefix("torch.")
         out.losses.append(float(world_mean(loss.detach().double())))
         out.norms.append(float(norm))
         out.grads.append(grads)

@@ -7,7 +7,9 @@ TARGET is one of
   or ``GPT2LMHeadModel`` built from the shrunk config with random weights, converted by the
   drop-in plans ``seqpar.plans.llama()`` / ``gpt2()``;
 * ``module:function``: your own code; ``function()`` returns ``(model, plan)`` or a
-  :class:`UserModel` (model, plan and how to compute its loss). It is called once per layout
+  :class:`UserModel` (model, plan and how to compute its loss). The plan is a
+  :class:`~seqpar.dropin.Plan` for ``seqpar.parallelize``, or your own ``convert(model, mesh) ->
+  model`` for a model converted by hand (it then chooses SP itself). It is called once per layout
   on every rank, and must return the same weights each time (seed it, or let ``verify`` seed torch
   before each call). It is not shrunk: build it small.
 
@@ -96,15 +98,14 @@ def shrink_hf(model_type: str, config: dict) -> dict:
     if model_type == "gpt2":
         ratio = (config.get("n_inner") or 4 * config["n_embd"]) / config["n_embd"]
         out.update(n_layer=LAYERS, n_head=HEADS, n_embd=hidden, n_inner=_round(ratio * hidden, 8), n_positions=64,
-                   vocab_size=_small_vocab(config.get("vocab_size", 50257)), attn_pdrop=0.0, resid_pdrop=0.0,
-                   embd_pdrop=0.0)
+                   vocab_size=_small_vocab(config.get("vocab_size", 50257)))
     else:
         heads = config.get("num_attention_heads", HEADS)
         ratio = config.get("intermediate_size", 4 * config.get("hidden_size", hidden)) / config.get("hidden_size", hidden)
         out.update(num_hidden_layers=LAYERS, num_attention_heads=HEADS, hidden_size=hidden, head_dim=HEAD_DIM,
                    num_key_value_heads=_kv(heads, config.get("num_key_value_heads")),
                    intermediate_size=_round(ratio * hidden, 8), max_position_embeddings=64,
-                   vocab_size=_small_vocab(config.get("vocab_size", 32000)), attention_dropout=0.0, rope_scaling=None)
+                   vocab_size=_small_vocab(config.get("vocab_size", 32000)), rope_scaling=None)
     return out
 
 
