@@ -58,20 +58,9 @@ def tiny_lm():
     return TinyLM(), PLAN
 
 
-def tiny_lm_model_only():
-    return TinyLM()
-
-
 def tiny_lm_shared_dropout():
     """Dropout inside the SP region drawn from torch's default generator, seeded alike on every rank."""
     return TinyLM(dropout=0.1), PLAN
-
-
-def tiny_lm_norms_not_summed():
-    """parallelize's hooks that sum the SP norms' gradients over TP, planted away."""
-    import seqpar.dropin.modes as modes
-    modes.install_sp_grad_hooks = lambda model, group: []
-    return TinyLM(), PLAN
 
 
 # ------------------------------------------------------------------ planted bugs in seqpar's own GPT
@@ -182,10 +171,29 @@ def test_planted_bug_is_reported_by_name(plant):
     assert re.search(pattern, problems), problems
 
 
-def test_assert_layouts_equal_passes_and_names_the_parameter_of_a_planted_bug():
-    report = assert_layouts_equal(tiny_lm_model_only, PLAN, layouts=["t2", "dp2-ddp"])
-    assert [r.status for r in report.rows] == ["ok", "ok"]
-    with pytest.raises(AssertionError, match=r"t2: gradient of blocks\.\d\.norm\.(weight|bias) \(rank \d"):
-        assert_layouts_equal("test_verify:tiny_lm_norms_not_summed", layouts=["t2"])
+def test_assert_layouts_equal_names_shared_dropout_masks_in_the_sp_region():
     with pytest.raises(AssertionError, match=r"blocks\.\d\.drop .*split tensor \(SP/TP region\) but TP ranks 0 and 1"):
         assert_layouts_equal(tiny_lm_shared_dropout, layouts=["t2"])
+
+
+def test_a_spent_time_budget_says_what_was_not_run(capsys):
+    assert seqpar_main(["verify", "llama-tiny-cpu", "--layouts", "t2,pp2", "--time-budget", "0", "--quiet"]) == 1
+    out = capsys.readouterr().out
+    assert "t2 not run: the time budget was spent before it started" in out, out
+    assert out.strip().splitlines()[-1].startswith("INCOMPLETE: the time budget ran out; not run: t2, pp2"), out
+
+
+def test_the_pytest_example_in_docs_dropin_runs(tmp_path, monkeypatch):
+    """docs/dropin.md's test file, written out and run as it is; with the norms left out of its plan it fails."""
+    import importlib
+    import pathlib
+    import re
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "dropin.md").read_text()
+    code = next(b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith("# test_my_model.py"))
+    (tmp_path / "test_my_model.py").write_text(code)
+    (tmp_path / "my_model_without_norms.py").write_text(
+        code.replace('"blocks.*.norm": "sequence", ', "") + "\n\ndef build():\n    return build_model(), PLAN\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # the ranks import the builder from here too
+    importlib.import_module("test_my_model").test_my_model_trains_identically_in_every_layout()
+    with pytest.raises(AssertionError, match=r"t2: gradient of blocks\.\d\.norm\.(weight|bias) \(rank \d, step \d\)"):
+        assert_layouts_equal("my_model_without_norms:build", layouts=["t2"], masks=False)

@@ -85,14 +85,16 @@ def compare(layout: str, world: int, ref: StepsResult, ranks: list[StepsResult],
         problems.append(f"{name}: no rank holds a gradient for it")
     for rank, res in enumerate(ranks):
         problems += [f"{name}: no gradient on rank {rank}" for name in res.missing]
+    first: list[str] = []  # the numbers first: the verdict quotes the first problem
+    if worst > tol:
+        first.append(f"gradient of {worst_at} differs from one process by {worst:.2e} (relative)")
     loss_tol = max(tol, TOLERANCE.get(ref.loss_dtype, tol))  # a loss computed in fp32 agrees to fp32's precision
     if loss_err > loss_tol:
-        problems.append(f"loss differs from one process by {loss_err:.2e} (relative; {ref.loss_dtype} loss)")
+        first.append(f"loss differs from one process by {loss_err:.2e} (relative; {ref.loss_dtype} loss)")
     if norm_err > tol:
-        problems.append(f"global gradient norm differs from one process by {norm_err:.2e} "
-                        f"({got.norms} vs {ref.norms})")
-    if worst > tol:
-        problems.append(f"gradient of {worst_at} differs from one process by {worst:.2e} (relative)")
+        first.append(f"global gradient norm differs from one process by {norm_err:.2e} "
+                     f"({got.norms} vs {ref.norms})")
+    problems = first + problems
     problems += list(masks or [])
     mask_text = "n/a" if masks is None else ("ok" if not masks else f"{len(masks)} problem(s)")
     return Row(layout, "FAIL" if problems else "ok", world, loss_err, worst, worst_at, norm_err, mask_text,

@@ -38,8 +38,8 @@ class Report:
         tail = f" ({self.dtype}, tolerance {self.tolerance:.0e}, {self.seconds:.0f} s" + (
             f"; skipped: {', '.join(skipped)})" if skipped else ")")
         if self.failed:
-            where = ", ".join(f"{r.layout} ({r.grad_param or r.reason or r.problems[0]})" if r.status == "FAIL"
-                              else f"{r.layout} (error)" for r in self.failed)
+            where = "; ".join(f"{r.layout} ({_short((r.problems or [r.reason or '?'])[0], 100)})"
+                              for r in self.failed)
             return f"FAIL: {len(self.failed)} of {len(self.rows)} layouts differ from one process: {where}{tail}"
         if self.not_run:
             return (f"INCOMPLETE: the time budget ran out; not run: {', '.join(r.layout for r in self.not_run)}; "

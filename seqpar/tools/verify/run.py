@@ -86,9 +86,14 @@ def verify(target: str | Target, layouts: str | Sequence[str | Layout] | None = 
         else:
             todo.append(lay)
     report = Report(tgt.name, tgt.kind, dtype, opts.tolerance, steps)
-    ref = run_local(reference_main, 1, tgt, opts, timeout=time_budget and 2 * time_budget)[0] if todo else None
+    spent = (lambda: deadline is not None and time.time() >= deadline)
+    ref = None if not todo or spent() else run_local(reference_main, 1, tgt, opts, timeout=time_budget and 2 * time_budget)[0]
     for world in sorted({lay.world for lay in todo}):
         group = [lay for lay in todo if lay.world == world]
+        if ref is None or spent():  # no ranks started for layouts that could not begin anyway
+            rows.update({lay.name: Row(lay.name, "not run", lay.world, reason="the time budget was spent before it "
+                                       "started") for lay in group})
+            continue
         try:
             got = run_local(rank_main, world, tgt, group, ref, opts, collective_timeout=COLLECTIVE_TIMEOUT_S,
                             timeout=None if time_budget is None else 2 * time_budget)[0]
