@@ -197,3 +197,17 @@ def test_the_pytest_example_in_docs_dropin_runs(tmp_path, monkeypatch):
     importlib.import_module("test_my_model").test_my_model_trains_identically_in_every_layout()
     with pytest.raises(AssertionError, match=r"t2: gradient of blocks\.\d\.norm\.(weight|bias) \(rank \d, step \d\)"):
         assert_layouts_equal("my_model_without_norms:build", layouts=["t2"], masks=False)
+
+
+def plant_a_crash():
+    raise RuntimeError("planted crash in a rank")
+
+
+def test_bad_arguments_and_a_crashing_rank(capsys):
+    with pytest.raises(UserError, match="steps must be a positive integer, got 0"):
+        verify("llama-tiny-cpu", "t2", steps=0)
+    with pytest.raises(UserError, match="cannot load setup 'test_verify:nothing_here'"):
+        verify("llama-tiny-cpu", "t2", setup="test_verify:nothing_here")
+    report = verify("llama-tiny-cpu", "t2", setup="test_verify:plant_a_crash", progress=False)
+    assert report.rows[0].status == "error" and "planted crash in a rank" in report.rows[0].reason, report.text()
+    assert report.verdict().startswith("FAIL: 1 of 1 layout differ") and not report.passed

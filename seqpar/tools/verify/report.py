@@ -40,13 +40,13 @@ class Report:
         if self.failed:
             where = "; ".join(f"{r.layout} ({_short((r.problems or [r.reason or '?'])[0], 100)})"
                               for r in self.failed)
-            return f"FAIL: {len(self.failed)} of {len(self.rows)} layouts differ from one process: {where}{tail}"
+            return f"FAIL: {len(self.failed)} of {_n(len(self.rows))} differ from one process: {where}{tail}"
         if self.not_run:
             return (f"INCOMPLETE: the time budget ran out; not run: {', '.join(r.layout for r in self.not_run)}; "
-                    f"{len(ok)} layouts equal one process{tail}")
+                    f"{_n(len(ok))} equal one process{tail}")
         if not ok:
             return f"NOTHING RUN: no layout applies to {self.target}{tail}"
-        return f"PASS: {len(ok)} layouts train exactly as one process ({', '.join(ok)}){tail}"
+        return f"PASS: {_n(len(ok))} train exactly as one process ({', '.join(ok)}){tail}"
 
     def table(self) -> str:
         head = ("layout", "ranks", "loss err", "worst grad err", "in parameter", "norm err", "masks", "time", "result")
@@ -82,6 +82,10 @@ class Report:
         return json.dumps(dict(target=self.target, kind=self.kind, dtype=self.dtype, tolerance=self.tolerance,
                                steps=self.steps, seconds=self.seconds, passed=self.passed, verdict=self.verdict(),
                                layouts=[r.to_json() for r in self.rows]), indent=2)
+
+
+def _n(count: int) -> str:
+    return f"{count} layout" + ("" if count == 1 else "s")
 
 
 def _short(where: str | None, width: int = 44) -> str:
