@@ -141,7 +141,9 @@ def test_module_function_target_passes(capsys):
     assert out.strip().splitlines()[-1].startswith("PASS: 2 layouts"), out
 
 
-def test_bad_target_is_a_user_error(tmp_path):
+def test_bad_target_is_a_user_error(tmp_path, capsys):
+    assert seqpar_main(["verify", "llama-tiny-cpu", "--layouts", "t2,t2x"]) == 2
+    assert "seqpar verify: --layouts: 't2x' in layout 't2x' is not a layout token" in capsys.readouterr().err
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
     with pytest.raises(UserError, match="model_type='bert'"):
         verify(str(tmp_path))
