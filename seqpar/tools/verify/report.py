@@ -46,7 +46,7 @@ class Report:
                     f"{_n(len(ok))} equal one process{tail}")
         if not ok:
             return f"NOTHING RUN: no layout applies to {self.target}{tail}"
-        return f"PASS: {_n(len(ok))} train exactly as one process ({', '.join(ok)}){tail}"
+        return f"PASS: {_n(len(ok))} train as one process, within tolerance ({', '.join(ok)}){tail}"
 
     def table(self) -> str:
         head = ("layout", "ranks", "loss err", "worst grad err", "in parameter", "norm err", "masks", "time", "result")
