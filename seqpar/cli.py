@@ -12,6 +12,7 @@ COMMANDS = {
     "plan": ("seqpar.tools.plan_cli", "choose layout and recompute for a model on a cluster, predicted step time"),
     "export": ("seqpar.interop.export", "write a checkpoint as a Hugging Face model folder (--format hf)"),
     "import": ("seqpar.interop.hf_import", "convert a local Hugging Face model folder into a seqpar checkpoint"),
+    "verify": ("seqpar.tools.verify.cli", "check that a model trains identically in every parallel layout"),
 }
 
 

@@ -147,7 +147,8 @@ def test_cycles_through_relative_and_function_level_imports_are_found(tmp_path):
 # seqpar's packages (and top-level modules), lowest first: each may import only those before it.
 # The README's layout section states the same order (checked below).
 LAYERS = ("errors", "distributed", "sharding", "layers", "recompute", "model", "config", "flops", "memory", "parallel",
-          "checkpoint", "data", "dropin", "parallelize", "plans", "plan", "train", "interop", "tools", "cli", "seqpar")
+          "checkpoint", "data", "dropin", "parallelize", "plans", "plan", "train", "interop", "tools", "verify", "cli",
+          "seqpar")
 README = ROOT.parent / "README.md"
 
 
