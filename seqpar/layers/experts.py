@@ -1,0 +1,122 @@
+"""Experts as one grouped GEMM, and the token permutation around it (no Python loop over tokens).
+
+Tokens are routed as ``n`` rows ``[n, h]`` with ``k`` expert ids each. :func:`sort_by_expert`
+orders the ``n*k`` assignments by expert (stable: by token, then slot, within an expert);
+:func:`permute` gathers the rows in that order, :class:`GroupedExperts` runs each expert on its
+contiguous group of rows, and :func:`unpermute` puts the rows back and sums each token's ``k``
+outputs weighted by its routing weights.
+
+The grouped GEMM is ``torch._grouped_mm`` (one kernel over all groups, group offsets on the
+device: no host sync) where the device and dtype allow it -- bf16 on CUDA, fp32/bf16 on the CPU,
+with 16-byte aligned rows -- and a loop over the experts (``torch.split`` by the host's counts)
+elsewhere, fp64 included. Both give the same numbers (tests/test_moe.py).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..distributed.layouts import REPLICATED, SP_REPLICATED, ParamLayout
+
+Kernel = Literal["auto", "grouped_mm", "loop"]
+
+
+def sort_by_expert(expert_ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expert_ids [n, k]`` -> (``order [n*k]``: assignment indices sorted by expert, stable;
+    ``counts [E]``: assignments per expert). Assignment ``a`` is token ``a // k``, slot ``a % k``."""
+    flat = expert_ids.reshape(-1)
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=experts)
+
+
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """``inv`` with ``inv[order[i]] = i``."""
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return inv
+
+
+def permute(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """``x [n, h]`` -> ``[n*k, h]``: row ``i`` is the token of assignment ``order[i]``."""
+    return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+
+
+def unpermute(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """``y [n*k, h]`` (expert outputs in ``order``) -> ``[n, h]``: each token's ``k`` outputs
+    times ``weights [n, k]``, summed in slot order (the same sum whatever the layout)."""
+    n, k = weights.shape
+    back = y.index_select(0, inverse_permutation(order)).view(n, k, -1)  # [n, k, h], assignment order
+    return (back * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; backward makes the gradient contiguous (``_grouped_mm``'s backward needs it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def grouped_mm_allowed(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs ``x [N, in]`` against ``w [E, out, in]`` here."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
+        return False
+    ok_dtypes = (torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16)
+    if x.dtype not in ok_dtypes or x.device.type not in ("cuda", "cpu"):
+        return False
+    return all((d * x.element_size()) % 16 == 0 for d in (w.shape[1], w.shape[2]))
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kernel: Kernel = "auto") -> torch.Tensor:
+    """``x [N, in]`` rows grouped by expert (``counts [E]`` rows each, in order) times each
+    expert's ``w[e] [out, in]``: ``[N, out]``. ``kernel``: ``grouped_mm``, ``loop`` or ``auto``."""
+    if kernel == "grouped_mm" or (kernel == "auto" and grouped_mm_allowed(x, w)):
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+    sizes = counts.tolist()  # host sync: the loop needs the group sizes
+    return torch.cat([F.linear(rows, w[e]) for e, rows in enumerate(x.split(sizes))])
+
+
+class GroupedExperts(nn.Module):
+    """``local`` experts of ``experts``, each ``fc2(act(fc1(x)))`` without biases: ``w1 [E_l, f (2f
+    for SwiGLU: [gate; up]), h]`` and ``w2 [E_l, h, f]``. Weights are drawn for all ``experts``
+    and sliced (``first`` is this rank's first expert), so they do not depend on the expert-parallel
+    layout. Under sequence parallelism with ``t > 1`` every TP rank holds the same experts and
+    routes its own tokens through them: their gradients are summed over TP (SP-replicated)."""
+
+    def __init__(self, experts: int, local: int, first: int, hidden: int, ffn: int, act: nn.Module, *,
+                 gated: bool, std: float, out_std: float, dtype: torch.dtype, sp_replicated: bool = False,
+                 kernel: Kernel = "auto"):
+        """``act``: the activation on fc1's output (``gated``: SwiGLU on ``[gate | up]``, fc1 ``2f`` rows)."""
+        super().__init__()
+        rows = 2 * ffn if gated else ffn
+        w1 = torch.empty(experts, rows, hidden, dtype=dtype).normal_(0.0, std)
+        w2 = torch.empty(experts, hidden, ffn, dtype=dtype).normal_(0.0, out_std)
+        self.w1 = nn.Parameter(w1[first:first + local].clone())
+        self.w2 = nn.Parameter(w2[first:first + local].clone())
+        self.experts, self.local, self.first, self.kernel = experts, local, first, kernel
+        self.act = act  # a module of its own, so the memory ledger can name what it keeps
+        self.sp_replicated = sp_replicated
+
+    def param_layouts(self) -> dict[str, ParamLayout]:
+        lay = SP_REPLICATED if self.sp_replicated else REPLICATED
+        return {"w1": lay, "w2": lay}
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``x [N, h]`` grouped by local expert (``counts [E_l]``) -> ``[N, h]``."""
+        return grouped_linear(self.act(grouped_linear(x, self.w1, counts, self.kernel)), self.w2, counts,
+                              self.kernel)
+
+    def extra_repr(self) -> str:
+        return (f"experts {self.first}..{self.first + self.local - 1} of {self.experts}, w1={tuple(self.w1.shape)}, "
+                f"w2={tuple(self.w2.shape)}, kernel={self.kernel}")
+
+
+__all__ = ["GroupedExperts", "grouped_linear", "grouped_mm_allowed", "inverse_permutation", "permute",
+           "sort_by_expert", "unpermute"]

@@ -1,0 +1,228 @@
+"""The mixture-of-experts FFN: a router, routed experts over expert parallelism, shared experts.
+
+``MoE(x)``, ``x [s/t, b, h]`` (SP) or ``[s, b, h]``, each rank routing the tokens it holds:
+
+1. router logits ``[n, E]`` in fp32 whatever the compute dtype; top-k by softmax probabilities
+   (Mixtral, Qwen3-MoE) or by sigmoid scores plus a balancing bias (DeepSeek-V3);
+2. per-expert counts summed over the micro-batch's token shards (the TP group under SP): the
+   load-balancing loss, the z-loss and the capacity limit see the whole micro-batch, so they equal
+   the one-process model's;
+3. assignments sorted by expert, over capacity ones dropped (``capacity_factor``), rows
+   exchanged with the expert-parallel ranks (:mod:`seqpar.distributed.expert_dispatch`), one
+   grouped GEMM per expert weight (:mod:`seqpar.layers.experts`), and back;
+4. each token's k outputs weighted and summed, plus the shared experts (a TP-split MLP).
+
+The auxiliary losses reach backward without changing the model's output: the block output
+carries them (:class:`_AttachAux`), and their gradient is the final loss's own gradient
+(captured by :func:`capture_loss_grad` on the loss, so gradient accumulation and loss scaling
+scale them too).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ..distributed.collectives import all_gather_dim0, all_reduce, group_rank, group_size
+from ..distributed.expert_dispatch import combine, dispatch
+from ..distributed.regions import reduce_from_tp
+from ..layers.experts import GroupedExperts, sort_by_expert
+from ..sharding import mark_sp_replicated
+from .config import GPTConfig
+from .mlp import MLP, SwiGLU
+
+
+class LossGradScale:
+    """The gradient the final loss received (a 0-dim tensor), set in backward before any MoE
+    layer's backward runs; None until then (the auxiliary losses then get gradient 1)."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+
+class _CaptureLossGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, loss, cell):
+        ctx.cell = cell
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.cell.value = grad.detach()
+        return grad, None
+
+
+def capture_loss_grad(loss: torch.Tensor, cell: LossGradScale) -> torch.Tensor:
+    """``loss`` unchanged; its backward records the incoming gradient in ``cell``."""
+    return _CaptureLossGrad.apply(loss, cell)
+
+
+class _AttachAux(torch.autograd.Function):
+    """Identity on ``y``; backward gives the auxiliary loss ``aux`` the loss's gradient."""
+
+    @staticmethod
+    def forward(ctx, y, aux, cell):
+        ctx.cell = cell
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scale = ctx.cell.value
+        one = torch.ones((), dtype=torch.float32, device=grad.device)
+        return grad, (one if scale is None else scale.to(one)), None
+
+
+def in_backward() -> bool:
+    """True while autograd's engine runs (a recompute re-running a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class Router(nn.Module):
+    """``weight [E, h]`` (and, for ``sigmoid``, a balancing ``expert_bias [E]`` moved by a rule,
+    not by gradients). Logits and scores in fp32."""
+
+    def __init__(self, hidden: int, moe, dtype: torch.dtype, std: float):
+        super().__init__()
+        self.moe = moe
+        self.weight = nn.Parameter(torch.empty(moe.experts, hidden, dtype=dtype).normal_(0.0, std))
+        self.expert_bias = None
+        if moe.router == "sigmoid":
+            self.expert_bias = nn.Parameter(torch.zeros(moe.experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float())  # [n, E] fp32
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(expert ids ``[n, k]``, routing weights ``[n, k]``, per-token probabilities ``[n, E]``
+        the balancing loss averages)."""
+        moe = self.moe
+        if moe.router == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+        else:
+            scores = torch.sigmoid(logits)
+            ids = torch.topk(scores + self.expert_bias.detach(), moe.top_k, dim=-1)[1]
+            weights = scores.gather(-1, ids)
+            probs = scores / scores.sum(-1, keepdim=True)
+        if moe.norm_topk:
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if moe.router == "sigmoid" else 0.0))
+        return ids, weights * moe.route_scale, probs
+
+
+class MoE(nn.Module):
+    """See the module docstring. ``mesh``: its ``tp_group`` (shared experts; the token shards
+    under SP) and ``ep_group`` (experts split over it); ``cell``: the GPT's :class:`LossGradScale`."""
+
+    def __init__(self, config: GPTConfig, mesh, layer_std: tuple[float, float], cell: LossGradScale):
+        super().__init__()
+        moe, h, dt = config.moe, config.hidden, config.torch_dtype
+        self.moe, self.cell = moe, cell
+        t, sp = mesh.tp_size, config.sequence_parallel
+        self.token_group = mesh.tp_group if sp and t > 1 else None  # ranks holding other tokens of the batch
+        self.ep_group, ep, ep_rank = getattr(mesh, "ep_group", None), mesh.ep_size, mesh.ep_rank
+        moe.check_experts_parallel(ep)
+        f = moe.expert_ffn(config.ffn_hidden)
+        self.router = Router(h, moe, dt, layer_std[0])
+        swiglu = config.mlp == "swiglu"
+        act = SwiGLU() if swiglu else nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
+        local = moe.experts // ep
+        self.experts = GroupedExperts(moe.experts, local, ep_rank * local, h, f, act, gated=swiglu,
+                                      std=layer_std[0], out_std=layer_std[1], dtype=dt,
+                                      sp_replicated=self.token_group is not None)
+        self.shared = None
+        if moe.shared_experts:
+            shared_cfg = dataclasses.replace(config, ffn_hidden=moe.shared_experts * f, moe=None, bias=False)
+            self.shared = MLP(shared_cfg, mesh.tp_group, layer_std)
+        if self.token_group is not None:
+            mark_sp_replicated(self.router, ["weight"])
+        self.load: torch.Tensor | None = None  # tokens per expert summed over this step's micro-batches
+        self.dropped: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe, shape = self.moe, x.shape
+        tokens = x.reshape(-1, shape[-1])                                     # [n, h]
+        logits = self.router(tokens)                                          # [n, E] fp32
+        ids, weights, probs = self.router.route(logits)
+        local_counts = torch.bincount(ids.reshape(-1), minlength=moe.experts)
+        counts = local_counts.clone()
+        all_reduce(counts, self.token_group)                                  # the micro-batch's counts
+        n_total = tokens.shape[0] * group_size(self.token_group)
+        order, _ = sort_by_expert(ids, moe.experts)
+        order, kept = self._capacity(ids, order, local_counts, n_total)
+        self._record(counts, kept)
+        rows = tokens.index_select(0, torch.div(order, moe.top_k, rounding_mode="floor"))  # [m, h] by expert
+        sent = torch.bincount(ids.reshape(-1).index_select(0, order), minlength=moe.experts)
+        if group_size(self.ep_group) > 1:
+            local_rows, routed = dispatch(rows, sent, self.ep_group)
+            out_rows = combine(self.experts(local_rows, routed.local_counts), routed, self.ep_group)
+        else:
+            out_rows = self.experts(rows, sent)
+        y = out_rows.new_zeros(ids.numel(), shape[-1]).index_copy(0, order, out_rows)  # assignment order
+        y = (y.view(*ids.shape, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1).view(shape)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        aux = self._aux_loss(logits, probs, counts, n_total)
+        return y if aux is None else _AttachAux.apply(y, aux, self.cell)
+
+    def _capacity(self, ids, order, local_counts, n_total):
+        """(kept assignments in expert order, count of kept) under ``capacity_factor``; the
+        positions in an expert's queue are global over the token shards (earlier ranks first)."""
+        cf = self.moe.capacity_factor
+        if cf is None:
+            return order, None
+        E, k = self.moe.experts, self.moe.top_k
+        capacity = math.ceil(cf * n_total * k / E)
+        expert = ids.reshape(-1).index_select(0, order)
+        start = torch.cumsum(local_counts, 0) - local_counts                  # first sorted row of each expert
+        earlier = all_gather_dim0(local_counts.unsqueeze(0), self.token_group)[0][:group_rank(self.token_group)]
+        position = torch.arange(order.numel(), device=order.device) - start[expert] + earlier.sum(0)[expert]
+        keep = position < capacity
+        kept = keep.sum()
+        all_reduce(kept, self.token_group)
+        return order[keep], kept
+
+    def _record(self, counts: torch.Tensor, kept: torch.Tensor | None) -> None:
+        """Tokens per expert (before capacity) and dropped assignments of a training forward
+        (not of a recompute), summed until :func:`take_load` reads them."""
+        if not self.training or in_backward():
+            return
+        c = counts.detach().to(torch.float64)
+        dropped = torch.zeros((), dtype=torch.float64, device=c.device) if kept is None else \
+            (c.sum() - kept.to(torch.float64))
+        self.load = c if self.load is None else self.load + c
+        self.dropped = dropped if self.dropped is None else self.dropped + dropped
+
+    def _aux_loss(self, logits, probs, counts, n_total) -> torch.Tensor | None:
+        """Load-balancing loss ``coeff E/k sum_e (count_e / n) (sum_t p_te / n)`` and z-loss
+        ``coeff mean_t logsumexp(logits_t)^2``, over the micro-batch (summed over its token shards
+        by f-bar: forward all-reduce, backward identity)."""
+        moe, total = self.moe, None
+        if moe.aux_loss_coeff > 0:
+            p_sum = reduce_from_tp(probs.sum(0), self.token_group)
+            total = moe.aux_loss_coeff * moe.experts / (moe.top_k * n_total ** 2) * (counts.float() * p_sum).sum()
+        if moe.z_loss_coeff > 0:
+            z = reduce_from_tp(torch.logsumexp(logits, -1).square().sum(), self.token_group)
+            z = moe.z_loss_coeff * z / n_total
+            total = z if total is None else total + z
+        return total
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    """(name, layer) of every MoE layer of ``model``."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def expert_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """Parameter name -> parameter, for the routed experts' weights (split over ep)."""
+    out = {}
+    for name, layer in moe_layers(model):
+        for pname, p in layer.experts.named_parameters():
+            out[f"{name}.experts.{pname}"] = p
+    return out
+
+
+__all__ = ["LossGradScale", "MoE", "Router", "capture_loss_grad", "expert_parameters", "moe_layers"]
