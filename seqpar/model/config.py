@@ -197,6 +197,7 @@ class GPTConfig(Freezable):
     recompute_layers: tuple[RecomputeMode, ...] | None = None
     attention: AttentionMode = "math"  # sdpa: PyTorch's fused kernels
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # parameter/activation dtype
+    qk_norm: bool = False          # Qwen3: RMSNorm over each q and k head before RoPE (needs g >= t)
     moe: MoEConfig | None = None  # mixture-of-experts FFNs (seqpar.model.moe_config); None: dense MLPs
 
     def __post_init__(self) -> None:
@@ -311,6 +312,9 @@ class GPTConfig(Freezable):
         if bad:
             raise UserError(f"GPTConfig: not divisible by the tensor-parallel size t={t}: {', '.join(bad)}")
         g = self.kv_heads
+        if self.qk_norm and self.num_kv_heads < t:
+            raise UserError(f"GPTConfig.qk_norm with kv_heads ({self.num_kv_heads}) < t={t} is not supported: each "
+                            f"key head would be replicated and its norm's gradient counted t/kv_heads times")
         if g is not None and g % t and t % g:  # g < t: each head replicated over the t/g ranks using it
             raise UserError(f"GPTConfig: kv_heads ({g}; heads={self.heads}) and the tensor-parallel size t={t}: "
                             f"t must divide kv_heads (each rank holds kv_heads/t heads) or be a multiple of it "
