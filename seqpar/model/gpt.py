@@ -118,6 +118,8 @@ class GPT(nn.Module):
         t = mesh.tp_size
         config.check_parallel(t)  # before any collective, on every rank
         check_group(mesh.tp_group, "GPT")
+        if mesh.ep_size > 1 and config.moe is None:
+            raise UserError(f"parallel.ep={mesh.ep_size} splits experts, but the model has none (set model.moe)")
         self.cp = build_context(config, mesh, cp_comm)
         config = dataclasses.replace(config)  # the model's own copy: set_recompute never edits the caller's
         self.config, self.mesh = config, mesh

@@ -82,7 +82,7 @@ def in_backward() -> bool:
 
 class Router(nn.Module):
     """``weight [E, h]`` (and, for ``sigmoid``, a balancing ``expert_bias [E]`` moved by a rule,
-    not by gradients). Logits and scores in fp32."""
+    not by gradients). Logits and scores in fp32 (fp64 for an fp64 model)."""
 
     def __init__(self, hidden: int, moe, dtype: torch.dtype, std: float):
         super().__init__()
@@ -93,8 +93,9 @@ class Router(nn.Module):
             self.expert_bias = nn.Parameter(torch.zeros(moe.experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (an fp64 model stays fp64)
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.float(), self.weight.float())  # [n, E] fp32
+            return F.linear(x.to(dt), self.weight.to(dt))  # [n, E]
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(expert ids ``[n, k]``, routing weights ``[n, k]``, per-token probabilities ``[n, E]``

@@ -15,6 +15,7 @@ recipe's buckets); under fsdp one reduce-scatter over dp x cp (then scaled by cp
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -27,6 +28,8 @@ from ..sharding import local_tensor
 from ..model.modes import DATA_PARALLEL_MODES
 from .fsdp import apply_fsdp, set_micro_batch, sync_sharded_sp_grads
 from .grad_buckets import DEFAULT_BUCKET_MIB, GradBuckets
+from ..errors import UserError
+from .expert_grads import ExpertGrads, finish_moe_step
 from .grads import clip_grad_norm
 
 
@@ -46,6 +49,11 @@ class DataParallel:
         self.master_weights = master_weights  # ddp + the bf16 recipe: fp32 grads reduced here
         self.buckets = None  # ddp + the bf16 recipe: GradBuckets, reduced while backward runs
         self.norm_group = mesh.dp_group  # the ranks whose gradients differ: dp, or dp x cp when sharded
+        self.experts = ExpertGrads(model, mesh)  # ep > 1: expert grads reduced over edp, not by DDP/FSDP
+        if self.experts.active and (self.sharded or master_weights):
+            raise UserError(f"parallel.ep={mesh.ep_size} runs with parallel.data_parallel=ddp and fp32 or "
+                            f"bf16-autocast precision only (got {mode}, precision={precision}); FSDP2 over the "
+                            f"expert-data-parallel group and the bf16 master-weight buckets are not supported yet")
         if self.sharded:
             shard_mesh = mesh.dp_cp_mesh
             self.norm_group = shard_mesh.get_group() if mesh.cp_size > 1 else mesh.dp_group
@@ -55,7 +63,7 @@ class DataParallel:
             self.buckets = GradBuckets(model, mesh.dp_cp_group, bucket_mib, divide_by=mesh.dp_size)
             self.module = model
         elif mesh.dp_size * mesh.cp_size > 1:
-            self.module = wrap_ddp(model, mesh, bucket_mib)
+            self.module = wrap_ddp(model, mesh, bucket_mib, ignore=self.experts.names)
         else:
             self.module = model
 
@@ -91,18 +99,24 @@ class DataParallel:
             sync_sharded_sp_grads(self.model, tp)
         else:
             sync_sp_replicated_grads(self.model, tp)
+        self.experts.reduce()
+        finish_moe_step(self.model, self.mesh.dp_cp_group)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm of the full model before clipping (clipped in place when > 0)."""
         return clip_grad_norm(self.model, max_norm, tp_group=self.mesh.tp_group, dp_group=self.norm_group,
-                              device=self.mesh.device)
+                              device=self.mesh.device, experts=self.experts.params, expert_dp_group=self.mesh.edp_group)
 
 
-def wrap_ddp(model: nn.Module, mesh: ParallelMesh, bucket_mib: float = DEFAULT_BUCKET_MIB) -> nn.Module:
+def wrap_ddp(model: nn.Module, mesh: ParallelMesh, bucket_mib: float = DEFAULT_BUCKET_MIB,
+             ignore: Sequence[str] = ()) -> nn.Module:
     """torch DDP over the dp x cp group: gradients in buckets of about ``bucket_mib`` MiB, each
     all-reduced as soon as backward has produced it. Under context parallelism each bucket is
-    divided by dp, not dp x cp, before it is summed: the CP ranks' shares add up, dp averages."""
+    divided by dp, not dp x cp, before it is summed: the CP ranks' shares add up, dp averages.
+    ``ignore``: parameter names DDP leaves alone (expert weights, reduced over edp instead)."""
     from torch.nn.parallel import DistributedDataParallel
+    if ignore:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
     kwargs = {"broadcast_buffers": False} if any(True for _ in model.buffers()) else {}
     wrapped = DistributedDataParallel(model, process_group=mesh.dp_cp_group, bucket_cap_mb=bucket_mib, **kwargs)
     if mesh.cp_size > 1:

@@ -26,13 +26,14 @@ import torch
 import torch.nn as nn
 
 from ..config import RunConfig
-from ..distributed.mesh import ParallelMesh
+from ..distributed.mesh import ParallelMesh, expert_parallel
 from ..memory import PeakActivationLedger, layers_in_flight
 from ..memory.probe import ActivationProbe
 from ..memory.whole_model import model_activation_bytes
 from ..model import GPT
 from .apply import Applied, apply_parallelism
 from .compile import CompileReport
+from .expert_grads import load_lines
 from .fsdp import reshard
 from .pipeline import build_pipeline, resolve_schedule
 from .precision import Precision
@@ -130,6 +131,10 @@ class PlainEngine(StepEngine):
 
     def clip(self, max_norm: float) -> torch.Tensor:
         return self.data_parallel.clip(max_norm)
+
+    def log_lines(self) -> list[str]:
+        """Per MoE layer, the last step's min / max tokens per expert."""
+        return load_lines(self.model)
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[Batch]) -> torch.Tensor:
@@ -253,6 +258,7 @@ def build_engine(cfg: RunConfig, mesh: ParallelMesh, *, accum: int, precision: P
     else the GPT over ddp / fsdp (``probe``: measure the first forward's saved activations)."""
     if mesh.pp_size > 1:
         return PipelineEngine(cfg, mesh, accum=accum, precision=precision)
+    mesh = expert_parallel(mesh, cfg.parallel.ep)  # ep carved from dp (collective: every rank, same ep)
     return PlainEngine(cfg, mesh, accum=accum, precision=precision, probe=probe)
 
 

@@ -1,0 +1,74 @@
+"""After backward, for MoE models: expert gradients over their expert-data-parallel group, and the
+step's expert load (logged, and moving the sigmoid router's balancing bias).
+
+Expert weights are split over ``ep`` ranks carved from dp. An expert's local gradient already
+holds every ep rank's tokens (they came through the all-to-all), so what is left is the
+``edp = dp / ep`` ranks holding the same experts: their gradients are summed over edp and divided
+by **dp** (not edp), since the loss is the mean over all dp ranks' micro-batches. DDP and FSDP
+are told to leave the expert weights alone. Router and shared-expert weights are dense weights,
+reduced over dp like any other.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from ..distributed.collectives import ProcessGroup, all_reduce, all_reduce_coalesced
+from ..distributed.mesh import ParallelMesh
+from ..model.moe import expert_parameters, moe_layers
+
+
+class ExpertGrads:
+    """The expert weights of ``model`` when ``mesh`` has ``ep > 1`` (``active``), reduced by :meth:`reduce`."""
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh):
+        params = expert_parameters(model)
+        self.mesh, self.active = mesh, mesh.ep_size > 1 and bool(params)
+        self.names: list[str] = list(params) if self.active else []
+        self.params: list[nn.Parameter] = list(params.values()) if self.active else []
+
+    def reduce(self) -> None:
+        """Sum the expert gradients over edp and divide by dp: one coalesced all-reduce."""
+        if not self.active:
+            return
+        for p in self.params:
+            if p.grad is None:  # no token reached this layer's experts: a zero share, still reduced
+                p.grad = torch.zeros_like(p)
+        all_reduce_coalesced([p.grad for p in self.params], self.mesh.edp_group, divide_by=self.mesh.dp_size)
+
+
+@torch.no_grad()
+def finish_moe_step(model: nn.Module, dp_group: ProcessGroup | None) -> None:
+    """Once per optimizer step, after backward: each MoE layer's tokens per expert of this step's
+    micro-batches, summed over ``dp_group`` (one all-reduce of ``layers x E`` counts), kept as
+    ``layer.step_load`` / ``layer.step_dropped``; the sigmoid router's bias moved by
+    ``bias_update_rate * sign(mean load - load)`` (the same on every rank)."""
+    layers = [m for _, m in moe_layers(model)]
+    if not layers:
+        return
+    E = layers[0].moe.experts
+    device = layers[0].router.weight.device
+    zero = torch.zeros(E + 1, dtype=torch.float64, device=device)
+    stats = torch.stack([zero if m.load is None else torch.cat([m.load, m.dropped.view(1)]) for m in layers])
+    all_reduce(stats, dp_group)
+    for m, row in zip(layers, stats):
+        m.step_load, m.step_dropped, m.load, m.dropped = row[:E], row[E], None, None
+        rate, bias = m.moe.bias_update_rate, m.router.expert_bias
+        if rate > 0 and bias is not None:
+            bias += rate * torch.sign(row[:E].mean() - row[:E]).to(bias.dtype)
+
+
+def load_lines(model: nn.Module) -> list[str]:
+    """One line per MoE layer: min / max tokens per expert of the last step (and dropped ones)."""
+    out = []
+    for name, m in moe_layers(model):
+        load = getattr(m, "step_load", None)
+        if load is None:
+            continue
+        dropped = f", dropped {int(m.step_dropped)}" if m.moe.capacity_factor is not None else ""
+        out.append(f"           moe {name.removesuffix('.mlp')}: tokens per expert min {int(load.min())} "
+                   f"max {int(load.max())} (mean {float(load.mean()):.1f}{dropped})")
+    return out
+
+
+__all__ = ["ExpertGrads", "finish_moe_step", "load_lines"]
