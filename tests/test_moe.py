@@ -12,6 +12,8 @@ from seqpar.errors import UserError
 from seqpar.layers.experts import grouped_linear, permute, sort_by_expert, unpermute
 from seqpar.model import GPT, GPTConfig
 from seqpar.model.moe import LossGradScale, MoE
+
+from moe_helpers import layer_gaps
 from seqpar.model.config import MoEConfig
 
 
@@ -35,7 +37,8 @@ def reference(m: MoE, x: torch.Tensor):
     """(output, aux loss, dropped) from the definitions, one token at a time."""
     moe = m.moe
     xs = x.reshape(-1, x.shape[-1])
-    logits = xs.float() @ m.router.weight.float().t()
+    dt = torch.promote_types(xs.dtype, torch.float32)  # fp32 routing at least
+    logits = xs.to(dt) @ m.router.weight.to(dt).t()
     n, E, k = xs.shape[0], moe.experts, moe.top_k
     cap = math.inf if moe.capacity_factor is None else math.ceil(moe.capacity_factor * n * k / E)
     taken, outs, counts, probs, dropped = [0] * E, [], torch.zeros(E), [], 0
@@ -161,3 +164,15 @@ def test_moe_layers_are_chosen_by_every_and_first_dense():
 def test_bad_moe_settings_are_refused_naming_the_values(bad, match):
     with pytest.raises(UserError, match=match):
         moe_config(**bad).validate()
+
+
+
+@pytest.mark.parametrize("mlp,extra", [("swiglu", {}), ("gelu", {"router": "sigmoid", "shared_experts": 1}),
+                                       ("swiglu", {"norm_topk": False, "aux_loss_coeff": 0.0, "z_loss_coeff": 0.0})])
+def test_saved_activations_equal_the_moe_formula(mlp, extra):
+    """The ledger's bytes of every layer, MoE and dense, equal the formula's (the norms' small
+    statistics aside, which the paper leaves out too), fp32 and bf16."""
+    for dtype, act in (("float32", 4), ("bfloat16", 2)):
+        cfg = dataclasses.replace(moe_config(mlp, dtype=dtype, **extra), layers=3, recompute="selective")
+        cfg.moe.first_dense = 1
+        assert layer_gaps(GPT(cfg, seed=1), torch.randint(0, 64, (2, 8)), act=act) == [0, 0, 0]

@@ -1,7 +1,7 @@
 """Expert parallelism equals the one-process model: ep=2 (edp=2), ep=4, and ep=2 x tp=2 with sequence
 parallelism, over several optimizer steps (losses, every gradient, the global norm, the balancing
 bias and the tokens per expert); fp64 gradients at 1e-10; Mixtral and Qwen3-MoE imports in the
-ep x tp layout give Hugging Face's logits.
+ep x tp layout give Hugging Face's logits; saved activations and all-to-all bytes equal their formulas.
 Each peer bug class is re-created by breaking one reduction, and the same comparison must catch it.
 All in one 4-rank spawn."""
 import pytest
@@ -129,7 +129,23 @@ def _run_everything(rank, world):
         layouts[name] = worst(train(config(**extra), _mesh(t, ep)), ref[key])
     cfg64 = config("float64", capacity_factor=1.0)
     layouts["fp64"] = worst(train(cfg64, _mesh(2, 2), steps=1), train(cfg64, ParallelMesh.single(), steps=1))
-    return layouts, {kind: _broken(kind) for kind in BROKEN}, _hf_logits_in_ep_x_tp()
+    return layouts, {kind: _broken(kind) for kind in BROKEN}, _hf_logits_in_ep_x_tp(), _bytes_at_ep_x_tp()
+
+
+def _bytes_at_ep_x_tp() -> dict:
+    """At ep=2 x tp=2 (SP): the ledger against the activation formula per layer, and this rank's
+    all-to-all bytes (forward and backward) with the formula's for its ep group."""
+    from moe_helpers import layer_gaps
+    from seqpar.distributed.comm_counter import count_comm
+    from seqpar.memory.moe import all_to_all_bytes
+    cfg, mesh = config(), _mesh(2, 2)
+    model = GPT(cfg, mesh, seed=7)
+    tokens, labels = batches(0)
+    gaps = layer_gaps(model, tokens[mesh.dp_rank], t=2, ep=2)
+    with count_comm() as counter:
+        model(tokens[mesh.dp_rank], labels[mesh.dp_rank]).backward()
+    formula = all_to_all_bytes(cfg, s=8, b=2, t=2, act=4, ep=2)
+    return dict(gaps=gaps, sent=counter.bytes.get("all_to_all", 0), group_formula=cfg.layers * sum(formula.values()))
 
 
 def _hf_logits_in_ep_x_tp() -> dict:
@@ -152,8 +168,13 @@ def _hf_logits_in_ep_x_tp() -> dict:
 
 
 def test_expert_parallel_layouts_equal_one_process_and_broken_reductions_are_caught(spawn):
-    for layouts, broken, hf in spawn(_run_everything, WORLD):
+    results = spawn(_run_everything, WORLD)
+    for rank, (layouts, broken, hf, nbytes) in enumerate(results):
         assert max(hf.values()) < 1e-5, hf
+        assert nbytes["gaps"] == [0, 0], nbytes  # saved activations = the formula, experts' rows as routed
+        if rank in (0, 1):  # ep groups {0, 2} and {1, 3} (dp rank = ep rank at edp = 1)
+            group = nbytes["sent"] + results[rank + 2][3]["sent"]
+            assert group == nbytes["group_formula"], (group, nbytes)
         for name, d in layouts.items():
             tol = 1e-10 if name == "fp64" else 2e-5
             assert d["loss"] < tol and d["norm"] < tol, (name, d)

@@ -63,14 +63,19 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+def grouped_mm_supported(device_type: str, dtype: torch.dtype, out_features: int, in_features: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs rows of ``dtype`` on ``device_type`` against experts
+    ``[E, out, in]``: bf16 on CUDA, fp32/bf16 on the CPU, both widths 16-byte aligned."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    ok_dtypes = {"cuda": (torch.bfloat16,), "cpu": (torch.float32, torch.bfloat16)}.get(device_type, ())
+    size = torch.empty((), dtype=dtype).element_size()
+    return dtype in ok_dtypes and all((d * size) % 16 == 0 for d in (out_features, in_features))
+
+
 def grouped_mm_allowed(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``torch._grouped_mm`` runs ``x [N, in]`` against ``w [E, out, in]`` here."""
-    if not hasattr(torch, "_grouped_mm") or x.dtype != w.dtype:
-        return False
-    ok_dtypes = (torch.bfloat16,) if x.device.type == "cuda" else (torch.float32, torch.bfloat16)
-    if x.dtype not in ok_dtypes or x.device.type not in ("cuda", "cpu"):
-        return False
-    return all((d * x.element_size()) % 16 == 0 for d in (w.shape[1], w.shape[2]))
+    return x.dtype == w.dtype and grouped_mm_supported(x.device.type, x.dtype, w.shape[1], w.shape[2])
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kernel: Kernel = "auto") -> torch.Tensor:
@@ -118,5 +123,5 @@ class GroupedExperts(nn.Module):
                 f"w2={tuple(self.w2.shape)}, kernel={self.kernel}")
 
 
-__all__ = ["GroupedExperts", "grouped_linear", "grouped_mm_allowed", "inverse_permutation", "permute",
+__all__ = ["GroupedExperts", "grouped_linear", "grouped_mm_allowed", "grouped_mm_supported", "inverse_permutation", "permute",
            "sort_by_expert", "unpermute"]

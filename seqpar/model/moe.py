@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..distributed.collectives import all_gather_dim0, all_reduce, group_rank, group_size
 from ..distributed.expert_dispatch import combine, dispatch
 from ..distributed.regions import reduce_from_tp
-from ..layers.experts import GroupedExperts, sort_by_expert
+from ..layers.experts import GroupedExperts, inverse_permutation, sort_by_expert
 from ..sharding import mark_sp_replicated
 from .config import GPTConfig
 from .mlp import MLP, SwiGLU
@@ -80,6 +80,24 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class _RouterLinear(torch.autograd.Function):
+    """``x @ weight.T`` in fp32 at least (fp64 stays fp64), keeping ``x`` in its own dtype: the
+    MoE input is kept once (the shared experts' fc1 keeps the same tensor), never an fp32 copy."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        dt = torch.promote_types(x.dtype, torch.float32)
+        ctx.save_for_backward(x, weight)
+        return F.linear(x.to(dt), weight.to(dt))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = (grad @ weight.to(grad.dtype)).to(x.dtype)
+        grad_w = (grad.t() @ x.to(grad.dtype)).to(weight.dtype)
+        return grad_x, grad_w
+
+
 class Router(nn.Module):
     """``weight [E, h]`` (and, for ``sigmoid``, a balancing ``expert_bias [E]`` moved by a rule,
     not by gradients). Logits and scores in fp32 (fp64 for an fp64 model)."""
@@ -93,22 +111,23 @@ class Router(nn.Module):
             self.expert_bias = nn.Parameter(torch.zeros(moe.experts, dtype=torch.float32), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dt = torch.promote_types(x.dtype, torch.float32)  # fp32 at least (an fp64 model stays fp64)
         with torch.autocast(x.device.type, enabled=False):
-            return F.linear(x.to(dt), self.weight.to(dt))  # [n, E]
+            return _RouterLinear.apply(x, self.weight)  # [n, E]
 
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(expert ids ``[n, k]``, routing weights ``[n, k]``, per-token probabilities ``[n, E]``
-        the balancing loss averages)."""
-        moe = self.moe
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(expert ids ``[n, k]``, routing weights ``[n, k]``, and -- only with a balancing loss --
+        the per-token probabilities ``[n, E]`` it averages)."""
+        moe, probs = self.moe, None
         if moe.router == "softmax":
-            probs = torch.softmax(logits, dim=-1)
-            weights, ids = torch.topk(probs, moe.top_k, dim=-1)
+            scores = torch.softmax(logits, dim=-1)
+            weights, ids = torch.topk(scores, moe.top_k, dim=-1)
+            probs = scores
         else:
             scores = torch.sigmoid(logits)
             ids = torch.topk(scores + self.expert_bias.detach(), moe.top_k, dim=-1)[1]
             weights = scores.gather(-1, ids)
-            probs = scores / scores.sum(-1, keepdim=True)
+            if moe.aux_loss_coeff > 0:
+                probs = scores / scores.sum(-1, keepdim=True)
         if moe.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if moe.router == "sigmoid" else 0.0))
         return ids, weights * moe.route_scale, probs
@@ -141,6 +160,7 @@ class MoE(nn.Module):
         if self.token_group is not None:
             mark_sp_replicated(self.router, ["weight"])
         self.load: torch.Tensor | None = None  # tokens per expert summed over this step's micro-batches
+        self.received_rows: int | None = None  # ep > 1: rows the last forward brought to this rank's experts
         self.dropped: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -159,10 +179,14 @@ class MoE(nn.Module):
         sent = torch.bincount(ids.reshape(-1).index_select(0, order), minlength=moe.experts)
         if group_size(self.ep_group) > 1:
             local_rows, routed = dispatch(rows, sent, self.ep_group)
+            self.received_rows = sum(routed.recv_rows)  # this rank's experts' rows (host ints already)
             out_rows = combine(self.experts(local_rows, routed.local_counts), routed, self.ep_group)
         else:
             out_rows = self.experts(rows, sent)
-        y = out_rows.new_zeros(ids.numel(), shape[-1]).index_copy(0, order, out_rows)  # assignment order
+        if kept is None:  # dropless: back to assignment order by a gather, which keeps only its index
+            y = out_rows.index_select(0, inverse_permutation(order))
+        else:  # dropped assignments stay zero (index_copy also keeps its source)
+            y = out_rows.new_zeros(ids.numel(), shape[-1]).index_copy(0, order, out_rows)
         y = (y.view(*ids.shape, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1).view(shape)
         if self.shared is not None:
             y = y + self.shared(x)
