@@ -1,5 +1,6 @@
 """The shipped moe-tiny-cpu config trains on 4 CPU ranks at ep=2 x tp=2 (SP) with the losses of one
-process, logs each MoE layer's tokens per expert, and writes a checkpoint one process loads."""
+process (the bf16 recipe too, to bf16's precision), logs each MoE layer's tokens per expert, and writes
+a checkpoint one process loads."""
 import torch
 
 from run_helpers import run_overrides
@@ -10,18 +11,24 @@ TINY = {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 32, "model.
 
 
 def _train(rank, world, overrides, tp):
+    """fp32 losses, log lines and checkpoint; then the bf16 recipe's losses (its gradient buckets,
+    the experts' over edp)."""
     from seqpar import init_parallel
     from seqpar.config import load_run_config
     from seqpar.train.trainer import Trainer
     trainer = Trainer(load_run_config("moe-tiny-cpu", overrides), mesh=init_parallel(tp=tp))
     history = trainer.fit()
-    return history["losses"], trainer.engine.log_lines(), history["checkpoint"]
+    bf16 = [*overrides, "train.precision=bf16", "train.steps=2", "checkpoint.interval=0", "checkpoint.resume=never",
+            f"checkpoint.dir={history['checkpoint']}-bf16"]
+    low = Trainer(load_run_config("moe-tiny-cpu", bf16), mesh=init_parallel(tp=tp)).fit()["losses"]
+    return history["losses"], trainer.engine.log_lines(), history["checkpoint"], low
 
 
 def test_moe_tiny_cpu_trains_at_ep2_tp2_with_the_losses_of_one_process(spawn, tmp_path):
     one = spawn(_train, 1, run_overrides(tmp_path, TINY, ckpt="one"), 1)[0]
     four = spawn(_train, 4, run_overrides(tmp_path, {**TINY, "parallel.tp": 2, "parallel.ep": 2}, ckpt="four"), 2)
-    losses, lines, checkpoint = four[0]
+    losses, lines, checkpoint, bf16 = four[0]
+    assert len(bf16) == 2 and all(abs(a - b) < 2e-2 for a, b in zip(bf16, one[3])), (bf16, one[3])
     assert all(abs(a - b) < 1e-5 for a, b in zip(losses, one[0])) and len(losses) == 3, (losses, one[0])
     assert lines == one[1] and [line.split(":")[0].strip() for line in lines] == ["moe blocks.1", "moe blocks.2"]
     assert "tokens per expert min" in lines[0]

@@ -50,17 +50,22 @@ class DataParallel:
         self.buckets = None  # ddp + the bf16 recipe: GradBuckets, reduced while backward runs
         self.norm_group = mesh.dp_group  # the ranks whose gradients differ: dp, or dp x cp when sharded
         self.experts = ExpertGrads(model, mesh)  # ep > 1: expert grads reduced over edp, not by DDP/FSDP
-        if self.experts.active and (self.sharded or master_weights):
-            raise UserError(f"parallel.ep={mesh.ep_size} runs with parallel.data_parallel=ddp and fp32 or "
-                            f"bf16-autocast precision only (got {mode}, precision={precision}); FSDP2 over the "
-                            f"expert-data-parallel group and the bf16 master-weight buckets are not supported yet")
+        self.expert_buckets = None  # ep > 1 + the bf16 recipe: expert grads in buckets over edp, after the rest
+        if self.experts.active and self.sharded:
+            raise UserError(f"parallel.ep={mesh.ep_size} runs with parallel.data_parallel=ddp only (got {mode}): "
+                            f"FSDP2 over the expert-data-parallel group is not supported yet")
         if self.sharded:
             shard_mesh = mesh.dp_cp_mesh
             self.norm_group = shard_mesh.get_group() if mesh.cp_size > 1 else mesh.dp_group
             self.module = apply_fsdp(model, shard_mesh, reshard_after_forward=reshard_after_forward,
                                      precision=precision)
         elif mesh.dp_size * mesh.cp_size > 1 and master_weights:  # summed over cp, averaged over dp
-            self.buckets = GradBuckets(model, mesh.dp_cp_group, bucket_mib, divide_by=mesh.dp_size)
+            self.buckets = GradBuckets(model, mesh.dp_cp_group, bucket_mib, divide_by=mesh.dp_size,
+                                       skip=self.experts.names)
+            if self.experts.active:  # reduced in finish() only, after the dense ones: one order on every rank
+                self.expert_buckets = GradBuckets(model, mesh.edp_group, bucket_mib, divide_by=mesh.dp_size,
+                                                  names=self.experts.names)
+                self.experts.reduced_by_buckets = True
             self.module = model
         elif mesh.dp_size * mesh.cp_size > 1:
             self.module = wrap_ddp(model, mesh, bucket_mib, ignore=self.experts.names)
@@ -72,6 +77,8 @@ class DataParallel:
         None in other precisions): the gradient buckets take over accumulating into the masters."""
         if self.buckets is not None and weights is not None:
             self.buckets.begin(weights)
+            if self.expert_buckets is not None:
+                self.expert_buckets.begin(weights)
 
     def micro_batch(self, micro: int, accum: int) -> AbstractContextManager:
         """Around micro-batch ``micro`` of ``accum``: gradients are reduced over dp on the last only."""
@@ -92,6 +99,8 @@ class DataParallel:
         tp, cp = self.mesh.tp_group, self.mesh.cp_size
         if self.buckets is not None:
             self.buckets.finish()
+        if self.expert_buckets is not None:
+            self.expert_buckets.finish()
         if cp > 1 and self.sharded:  # FSDP averaged the shares over dp x cp: a sum over cp, a mean over dp only
             grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
             torch._foreach_mul_(grads, float(cp))

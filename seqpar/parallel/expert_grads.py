@@ -26,10 +26,11 @@ class ExpertGrads:
         self.mesh, self.active = mesh, mesh.ep_size > 1 and bool(params)
         self.names: list[str] = list(params) if self.active else []
         self.params: list[nn.Parameter] = list(params.values()) if self.active else []
+        self.reduced_by_buckets = False  # the bf16 recipe's expert buckets reduce them instead
 
     def reduce(self) -> None:
         """Sum the expert gradients over edp and divide by dp: one coalesced all-reduce."""
-        if not self.active:
+        if not self.active or self.reduced_by_buckets:
             return
         for p in self.params:
             if p.grad is None:  # no token reached this layer's experts: a zero share, still reduced
