@@ -176,3 +176,10 @@ def test_saved_activations_equal_the_moe_formula(mlp, extra):
         cfg = dataclasses.replace(moe_config(mlp, dtype=dtype, **extra), layers=3, recompute="selective")
         cfg.moe.first_dense = 1
         assert layer_gaps(GPT(cfg, seed=1), torch.randint(0, 64, (2, 8)), act=act) == [0, 0, 0]
+
+
+def test_parameter_count_formula_equals_the_built_model():
+    from seqpar.memory.params import stage_params
+    for extra in ({}, {"router": "sigmoid", "shared_experts": 1, "every": 2}):
+        cfg = dataclasses.replace(moe_config(**extra), layers=4, qk_norm=True, kv_heads=2, norm="rmsnorm")
+        assert GPT(cfg).num_parameters(dense=False) == stage_params(cfg, t=1)

@@ -145,7 +145,10 @@ def _bytes_at_ep_x_tp() -> dict:
     with count_comm() as counter:
         model(tokens[mesh.dp_rank], labels[mesh.dp_rank]).backward()
     formula = all_to_all_bytes(cfg, s=8, b=2, t=2, act=4, ep=2)
-    return dict(gaps=gaps, sent=counter.bytes.get("all_to_all", 0), group_formula=cfg.layers * sum(formula.values()))
+    from seqpar.memory.params import stage_params
+    held = model.num_parameters(dense=False) == stage_params(cfg, t=2, ep=2)
+    return dict(gaps=gaps, sent=counter.bytes.get("all_to_all", 0), group_formula=cfg.layers * sum(formula.values()),
+                params_formula_holds=held)
 
 
 def _hf_logits_in_ep_x_tp() -> dict:
@@ -172,6 +175,7 @@ def test_expert_parallel_layouts_equal_one_process_and_broken_reductions_are_cau
     for rank, (layouts, broken, hf, nbytes) in enumerate(results):
         assert max(hf.values()) < 1e-5, hf
         assert nbytes["gaps"] == [0, 0], nbytes  # saved activations = the formula, experts' rows as routed
+        assert nbytes["params_formula_holds"]    # parameters per rank: E/ep experts, the rest split over t
         if rank in (0, 1):  # ep groups {0, 2} and {1, 3} (dp rank = ep rank at edp = 1)
             group = nbytes["sent"] + results[rank + 2][3]["sent"]
             assert group == nbytes["group_formula"], (group, nbytes)
