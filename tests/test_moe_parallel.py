@@ -1,5 +1,5 @@
 """Expert parallelism equals the one-process model: ep=2 (edp=2), ep=4, and ep=2 x tp=2 with sequence
-parallelism, over several optimizer steps (losses, every gradient, the global norm, the balancing
+parallelism, under ddp and FSDP2 (experts sharded over edp), over several optimizer steps (losses, every gradient, the global norm, the balancing
 bias and the tokens per expert); fp64 gradients at 1e-10; Mixtral and Qwen3-MoE imports in the
 ep x tp layout give Hugging Face's logits; saved activations and all-to-all bytes equal their formulas.
 Each peer bug class is re-created by breaking one reduction, and the same comparison must catch it.
@@ -22,12 +22,13 @@ from seqpar.parallel.grads import clip_grad_norm
 STEPS, WORLD = 3, 4
 
 
-def config(dtype="float32", **moe) -> GPTConfig:
+def config(dtype="float32", sequence_parallel=True, **moe) -> GPTConfig:
     settings = dict(experts=4, top_k=2, router="sigmoid", bias_update_rate=0.01, aux_loss_coeff=0.05,
                     z_loss_coeff=0.01, shared_experts=1, **moe)
     return GPTConfig(vocab_size=64, seq_len=8, hidden=16, heads=2, layers=2, ffn_hidden=16, dropout=0.0,
                      attention_dropout=0.0, mlp="swiglu", norm="rmsnorm", position="rope", bias=False,
-                     recompute="selective", dtype=dtype, moe=MoEConfig(**settings))
+                     recompute="selective", dtype=dtype, sequence_parallel=sequence_parallel,
+                     moe=MoEConfig(**settings))
 
 
 def batches(step: int):
@@ -36,11 +37,16 @@ def batches(step: int):
     return tokens, torch.randint(0, 64, (WORLD, 2, 8), generator=g)
 
 
-def train(cfg: GPTConfig, mesh: ParallelMesh, steps: int = STEPS) -> list[dict]:
+def full(x: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2's shard) gathered whole; a plain tensor as it is."""
+    return x.full_tensor() if hasattr(x, "full_tensor") else x
+
+
+def train(cfg: GPTConfig, mesh: ParallelMesh, steps: int = STEPS, mode: str = "ddp") -> list[dict]:
     """Per step: the mean loss, dense gradients, the global norm, biases and loads. One process
     (dp = 1) runs the WORLD micro-batches with accumulation; a dp rank runs its own."""
     model = GPT(cfg, mesh, seed=7)
-    dp = DataParallel(model, mesh, "ddp")
+    dp = DataParallel(model, mesh, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     accum = WORLD // mesh.dp_size
     out = []
@@ -55,13 +61,13 @@ def train(cfg: GPTConfig, mesh: ParallelMesh, steps: int = STEPS) -> list[dict]:
             total += loss.detach().double() / accum
         dp.after_backward()
         collectives.all_reduce(total, mesh.dp_group)
-        grads = model.to_dense({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        grads = model.to_dense({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
         norm = dp.clip(1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         layers = [b.mlp for b in model.blocks]
         out.append(dict(loss=total.item() / mesh.dp_size, grads=grads, norm=norm.item(),
-                        bias=[m.router.expert_bias.detach().clone() for m in layers],
+                        bias=[full(m.router.expert_bias.detach()).clone() for m in layers],
                         load=[torch.cat([m.step_load, m.step_dropped.view(1)]) for m in layers]))
     return out
 
@@ -121,12 +127,14 @@ def _broken(kind: str) -> dict:
 
 def _run_everything(rank, world):
     ref, layouts = {}, {}
-    for name, (t, ep, extra) in {"ep2-edp2": (1, 2, {}), "ep4": (1, 4, {}),
-                                 "ep2xtp2-sp": (2, 2, {"capacity_factor": 1.0})}.items():
+    for name, (t, ep, mode, extra) in {"ep2-edp2": (1, 2, "ddp", {}), "ep4": (1, 4, "ddp", {}),
+                                       "ep2xtp2-sp": (2, 2, "ddp", {"capacity_factor": 1.0}),
+                                       "ep2-edp2-fsdp": (1, 2, "fsdp", {}), "ep2xtp2-fsdp": (2, 2, "fsdp", {}),
+                                       "ep2xtp2-no-sp": (2, 2, "ddp", {"sequence_parallel": False})}.items():
         key = tuple(sorted(extra.items()))
         if key not in ref:
             ref[key] = train(config(**extra), ParallelMesh.single())
-        layouts[name] = worst(train(config(**extra), _mesh(t, ep)), ref[key])
+        layouts[name] = worst(train(config(**extra), _mesh(t, ep), mode=mode), ref[key])
     cfg64 = config("float64", capacity_factor=1.0)
     layouts["fp64"] = worst(train(cfg64, _mesh(2, 2), steps=1), train(cfg64, ParallelMesh.single(), steps=1))
     return layouts, {kind: _broken(kind) for kind in BROKEN}, _hf_logits_in_ep_x_tp(), _bytes_at_ep_x_tp()
@@ -199,6 +207,4 @@ def test_moe_run_settings_that_do_not_compose_yet_are_refused():
         load_run_config(None, [*base, "parallel.ep=3"]).validate()
     with pytest.raises(UserError, match=r"model.moe with train.compile=true is not supported yet"):
         load_run_config(None, [*base, "train.compile=true"]).validate()
-    with pytest.raises(UserError, match=r"parallel.ep=2 with parallel.data_parallel=fsdp"):
-        load_run_config(None, [*base, "parallel.ep=2", "parallel.data_parallel=fsdp"]).validate()
     assert load_run_config(None, [*base, "parallel.ep=2"]).parallel.data_parallel_mode(4) == "ddp"

@@ -281,9 +281,6 @@ class RunConfig(Freezable):
         moe.check_experts_parallel(pc.ep)
         if pc.cp > 1:
             raise UserError(f"parallel.ep={pc.ep} with parallel.cp={pc.cp} is not supported yet")
-        if pc.data_parallel == "fsdp":
-            raise UserError(f"parallel.ep={pc.ep} with parallel.data_parallel=fsdp is not supported yet (FSDP2 over "
-                            f"the expert-data-parallel group); use ddp, the default with ep > 1")
         if pc.dp is not None and pc.dp % pc.ep:
             raise UserError(f"parallel.ep={pc.ep} must divide parallel.dp={pc.dp} (experts are split over ranks "
                             f"carved from dp)")

@@ -51,18 +51,6 @@ def unpermute(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> to
     return (back * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """Identity; backward makes the gradient contiguous (``_grouped_mm``'s backward needs it)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.contiguous()
-
-
 def grouped_mm_supported(device_type: str, dtype: torch.dtype, out_features: int, in_features: int) -> bool:
     """Whether ``torch._grouped_mm`` runs rows of ``dtype`` on ``device_type`` against experts
     ``[E, out, in]``: bf16 on CUDA, fp32/bf16 on the CPU, both widths 16-byte aligned."""
@@ -83,7 +71,10 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, kerne
     expert's ``w[e] [out, in]``: ``[N, out]``. ``kernel``: ``grouped_mm``, ``loop`` or ``auto``."""
     if kernel == "grouped_mm" or (kernel == "auto" and grouped_mm_allowed(x, w)):
         offs = torch.cumsum(counts, 0).to(torch.int32)
-        return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+        out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        if out.requires_grad:  # its backward needs a contiguous gradient
+            out.register_hook(torch.Tensor.contiguous)
+        return out
     sizes = counts.tolist()  # host sync: the loop needs the group sizes
     return torch.cat([F.linear(rows, w[e]) for e, rows in enumerate(x.split(sizes))])
 

@@ -47,7 +47,7 @@ class _CaptureLossGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, loss, cell):
         ctx.cell = cell
-        return loss.view_as(loss)
+        return loss.clone()  # a 0-dim copy, not a view (FSDP2 warns about views it returns)
 
     @staticmethod
     def backward(ctx, grad):

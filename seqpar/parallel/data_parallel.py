@@ -51,14 +51,13 @@ class DataParallel:
         self.norm_group = mesh.dp_group  # the ranks whose gradients differ: dp, or dp x cp when sharded
         self.experts = ExpertGrads(model, mesh)  # ep > 1: expert grads reduced over edp, not by DDP/FSDP
         self.expert_buckets = None  # ep > 1 + the bf16 recipe: expert grads in buckets over edp, after the rest
-        if self.experts.active and self.sharded:
-            raise UserError(f"parallel.ep={mesh.ep_size} runs with parallel.data_parallel=ddp only (got {mode}): "
-                            f"FSDP2 over the expert-data-parallel group is not supported yet")
         if self.sharded:
             shard_mesh = mesh.dp_cp_mesh
             self.norm_group = shard_mesh.get_group() if mesh.cp_size > 1 else mesh.dp_group
+            expert_mesh = self.experts.fsdp_mesh()  # FSDP2 over edp for the experts (None: edp = 1)
             self.module = apply_fsdp(model, shard_mesh, reshard_after_forward=reshard_after_forward,
-                                     precision=precision)
+                                     precision=precision, expert_mesh=expert_mesh, experts=self.experts.params)
+            self.experts.reduced_by_fsdp = expert_mesh is not None
         elif mesh.dp_size * mesh.cp_size > 1 and master_weights:  # summed over cp, averaged over dp
             self.buckets = GradBuckets(model, mesh.dp_cp_group, bucket_mib, divide_by=mesh.dp_size,
                                        skip=self.experts.names)
@@ -108,7 +107,7 @@ class DataParallel:
             sync_sharded_sp_grads(self.model, tp)
         else:
             sync_sp_replicated_grads(self.model, tp)
-        self.experts.reduce()
+        self.experts.reduce()  # over edp, divided by dp (under FSDP2: its edp mean, scaled by 1/ep)
         finish_moe_step(self.model, self.mesh.dp_cp_group)
 
     def clip(self, max_norm: float) -> torch.Tensor:

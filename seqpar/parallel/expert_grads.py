@@ -15,6 +15,8 @@ import torch.nn as nn
 
 from ..distributed.collectives import ProcessGroup, all_reduce, all_reduce_coalesced
 from ..distributed.mesh import ParallelMesh
+from ..sharding import local_tensor
+from .fsdp import shard_rows
 from ..model.moe import expert_parameters, moe_layers
 
 
@@ -23,14 +25,34 @@ class ExpertGrads:
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh):
         params = expert_parameters(model)
-        self.mesh, self.active = mesh, mesh.ep_size > 1 and bool(params)
+        self.model, self.mesh, self.active = model, mesh, mesh.ep_size > 1 and bool(params)
         self.names: list[str] = list(params) if self.active else []
-        self.params: list[nn.Parameter] = list(params.values()) if self.active else []
         self.reduced_by_buckets = False  # the bf16 recipe's expert buckets reduce them instead
+        self.reduced_by_fsdp = False     # FSDP2 over edp reduce-scatters them (a mean over edp)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The expert weights as the model holds them now (FSDP2 replaces the parameters it shards)."""
+        if not self.active:
+            return []
+        return list(expert_parameters(self.model).values())
+
+    def fsdp_mesh(self):
+        """The 1-D DeviceMesh over this rank's edp group for FSDP2, or None when edp = 1 (the
+        experts then stay plain and :meth:`reduce` divides them by dp)."""
+        if not self.active or self.mesh.edp_group is None:
+            return None
+        from torch.distributed.device_mesh import DeviceMesh
+        return DeviceMesh.from_group(self.mesh.edp_group, self.mesh.device.type, mesh_dim_names=("edp",))
 
     def reduce(self) -> None:
-        """Sum the expert gradients over edp and divide by dp: one coalesced all-reduce."""
+        """Sum the expert gradients over edp and divide by dp: one coalesced all-reduce (FSDP2 has
+        averaged them over edp already: divided by ep more)."""
         if not self.active or self.reduced_by_buckets:
+            return
+        if self.reduced_by_fsdp:
+            torch._foreach_mul_([local_tensor(p.grad) for p in self.params if p.grad is not None],
+                                1.0 / self.mesh.ep_size)
             return
         for p in self.params:
             if p.grad is None:  # no token reached this layer's experts: a zero share, still reduced
@@ -56,7 +78,12 @@ def finish_moe_step(model: nn.Module, dp_group: ProcessGroup | None) -> None:
         m.step_load, m.step_dropped, m.load, m.dropped = row[:E], row[E], None, None
         rate, bias = m.moe.bias_update_rate, m.router.expert_bias
         if rate > 0 and bias is not None:
-            bias += rate * torch.sign(row[:E].mean() - row[:E]).to(bias.dtype)
+            step = rate * torch.sign(row[:E].mean() - row[:E])
+            local = local_tensor(bias)
+            if local is not bias:  # FSDP2: this rank's dim-0 rows of the bias
+                start, rows = shard_rows(E, bias.device_mesh.get_local_rank(), bias.device_mesh.size())
+                step = step[start:start + rows]
+            local += step.to(local.dtype)
 
 
 def load_lines(model: nn.Module) -> list[str]:
