@@ -15,7 +15,10 @@ from seqpar.model import GPT, GPTConfig
 from seqpar.model import moe as moe_module
 from seqpar.model.config import MoEConfig
 from seqpar.parallel import expert_grads
+from seqpar.distributed import grad_sync
+from seqpar.distributed.layouts import sp_replicated_parameters
 from seqpar.distributed.regions import copy_to_tp, reduce_from_tp
+from seqpar.model.moe import expert_parameters
 from seqpar.parallel.data_parallel import DataParallel
 from seqpar.parallel.grads import clip_grad_norm
 
@@ -23,6 +26,8 @@ STEPS, WORLD = 3, 4
 
 
 def config(dtype="float32", sequence_parallel=True, **moe) -> GPTConfig:
+    """The tiny Llama-style MoE model every layout trains (sigmoid router, bias balancing, both losses,
+    a shared expert); ``moe`` overrides its MoE settings."""
     settings = dict(experts=4, top_k=2, router="sigmoid", bias_update_rate=0.01, aux_loss_coeff=0.05,
                     z_loss_coeff=0.01, shared_experts=1, **moe)
     return GPTConfig(vocab_size=64, seq_len=8, hidden=16, heads=2, layers=2, ffn_hidden=16, dropout=0.0,
@@ -105,18 +110,25 @@ def _clip_without_experts(self, max_norm):
     return clip_grad_norm(self.model, max_norm, tp_group=self.mesh.tp_group, dp_group=self.norm_group)
 
 
-# peer bug -> (layout (t, ep), the reduction replaced by a broken one)
+def _with_experts(model):
+    """The SP-replicated parameters, plus TP-split experts: expert-TP = 1's TP sum applied to expert-TP = t."""
+    return [*sp_replicated_parameters(model), *expert_parameters(model).values()]
+
+
+# peer bug -> (layout (t, ep), config, the reduction replaced by a broken one)
 BROKEN = {
-    "router-tp-sum": ((2, 2), (moe_module, "mark_sp_replicated", lambda m, names=None: m)),  # torchtitan #2416
-    "norm-undercount": ((2, 2), (DataParallel, "clip", _clip_without_experts)),              # Megatron-LM #5916
-    "expert-edp-mean": ((1, 2), (expert_grads.ExpertGrads, "reduce", _reduce_mean_over_edp)),  # Megatron-LM #1628
-    "router-stat-backward": ((2, 2), (moe_module, "reduce_from_tp", _copy_after_sum)),      # transformers #48205
+    "router-tp-sum": ((2, 2), {}, (moe_module, "mark_sp_replicated", lambda m, names=None: m)),  # torchtitan #2416
+    "norm-undercount": ((2, 2), {}, (DataParallel, "clip", _clip_without_experts)),          # Megatron-LM #5916
+    "expert-edp-mean": ((1, 2), {}, (expert_grads.ExpertGrads, "reduce", _reduce_mean_over_edp)),  # Megatron #1628
+    "expert-tp-as-tp1": ((2, 2), {"expert_tp": True},                                         # Megatron-LM #1628
+                         (grad_sync, "sp_replicated_parameters", _with_experts)),
+    "router-stat-backward": ((2, 2), {}, (moe_module, "reduce_from_tp", _copy_after_sum)),  # transformers #48205
 }
 
 
 def _broken(kind: str) -> dict:
-    (t, ep), (owner, name, wrong) = BROKEN[kind]
-    cfg, real = config("float64"), getattr(owner, name)  # fp64: a right layout agrees to 1e-10
+    (t, ep), extra, (owner, name, wrong) = BROKEN[kind]
+    cfg, real = config("float64", **extra), getattr(owner, name)  # fp64: a right layout agrees to 1e-10
     ref = train(cfg, ParallelMesh.single(), steps=1)
     setattr(owner, name, wrong)
     try:
@@ -130,7 +142,11 @@ def _run_everything(rank, world):
     for name, (t, ep, mode, extra) in {"ep2-edp2": (1, 2, "ddp", {}), "ep4": (1, 4, "ddp", {}),
                                        "ep2xtp2-sp": (2, 2, "ddp", {"capacity_factor": 1.0}),
                                        "ep2-edp2-fsdp": (1, 2, "fsdp", {}), "ep2xtp2-fsdp": (2, 2, "fsdp", {}),
-                                       "ep2xtp2-no-sp": (2, 2, "ddp", {"sequence_parallel": False})}.items():
+                                       "ep2xtp2-no-sp": (2, 2, "ddp", {"sequence_parallel": False}),
+                                       "ep2xtp2-expert-tp": (2, 2, "ddp", {"expert_tp": True}),
+                                       "ep2xtp2-expert-tp-fsdp-no-sp": (2, 2, "fsdp", {"expert_tp": True,
+                                                                                      "sequence_parallel": False}),
+                                       }.items():
         key = tuple(sorted(extra.items()))
         if key not in ref:
             ref[key] = train(config(**extra), ParallelMesh.single())
@@ -150,6 +166,7 @@ def _bytes_at_ep_x_tp() -> dict:
     model = GPT(cfg, mesh, seed=7)
     tokens, labels = batches(0)
     gaps = layer_gaps(model, tokens[mesh.dp_rank], t=2, ep=2)
+    gaps += layer_gaps(GPT(config(expert_tp=True), mesh, seed=7), tokens[mesh.dp_rank], t=2, ep=2)
     with count_comm() as counter:
         model(tokens[mesh.dp_rank], labels[mesh.dp_rank]).backward()
     formula = all_to_all_bytes(cfg, s=8, b=2, t=2, act=4, ep=2)
@@ -182,7 +199,7 @@ def test_expert_parallel_layouts_equal_one_process_and_broken_reductions_are_cau
     results = spawn(_run_everything, WORLD)
     for rank, (layouts, broken, hf, nbytes) in enumerate(results):
         assert max(hf.values()) < 1e-5, hf
-        assert nbytes["gaps"] == [0, 0], nbytes  # saved activations = the formula, experts' rows as routed
+        assert nbytes["gaps"] == [0, 0, 0, 0], nbytes  # saved bytes = the formula (expert-TP 1 and t), rows as routed
         assert nbytes["params_formula_holds"]    # parameters per rank: E/ep experts, the rest split over t
         if rank in (0, 1):  # ep groups {0, 2} and {1, 3} (dp rank = ep rank at edp = 1)
             group = nbytes["sent"] + results[rank + 2][3]["sent"]
@@ -195,6 +212,7 @@ def test_expert_parallel_layouts_equal_one_process_and_broken_reductions_are_cau
         assert broken["router-tp-sum"]["router"] > 1e-3          # router grads are one TP rank's share
         assert broken["norm-undercount"]["norm"] > 1e-8          # the clip's norm misses other ranks' experts
         assert broken["expert-edp-mean"]["expert"] > 1e-3        # expert grads dp/edp times too large
+        assert broken["expert-tp-as-tp1"]["expert"] > 1e-3       # TP-split expert grads summed over TP
         stat = broken["router-stat-backward"]
         assert stat["loss"] < 1e-10 and stat["router"] > 1e-3   # the loss looks fine, the router does not
 

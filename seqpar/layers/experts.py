@@ -83,24 +83,30 @@ class GroupedExperts(nn.Module):
     """``local`` experts of ``experts``, each ``fc2(act(fc1(x)))`` without biases: ``w1 [E_l, f (2f
     for SwiGLU: [gate; up]), h]`` and ``w2 [E_l, h, f]``. Weights are drawn for all ``experts``
     and sliced (``first`` is this rank's first expert), so they do not depend on the expert-parallel
-    layout. Under sequence parallelism with ``t > 1`` every TP rank holds the same experts and
-    routes its own tokens through them: their gradients are summed over TP (SP-replicated)."""
+    layout. Expert-TP = 1 (``tp_size=1``): under sequence parallelism with ``t > 1`` every TP rank
+    holds the same experts and routes its own tokens through them: their gradients are summed over
+    TP (SP-replicated). Expert-TP = t (``tp_size=t``): each TP rank holds ``f/t`` of every expert's
+    width (``w1``'s rows of each of gate and up, ``w2``'s columns), as column / row-parallel layers."""
 
     def __init__(self, experts: int, local: int, first: int, hidden: int, ffn: int, act: nn.Module, *,
                  gated: bool, std: float, out_std: float, dtype: torch.dtype, sp_replicated: bool = False,
-                 kernel: Kernel = "auto"):
+                 kernel: Kernel = "auto", tp_rank: int = 0, tp_size: int = 1):
         """``act``: the activation on fc1's output (``gated``: SwiGLU on ``[gate | up]``, fc1 ``2f`` rows)."""
         super().__init__()
         rows = 2 * ffn if gated else ffn
-        w1 = torch.empty(experts, rows, hidden, dtype=dtype).normal_(0.0, std)
-        w2 = torch.empty(experts, hidden, ffn, dtype=dtype).normal_(0.0, out_std)
-        self.w1 = nn.Parameter(w1[first:first + local].clone())
-        self.w2 = nn.Parameter(w2[first:first + local].clone())
+        w1 = torch.empty(experts, rows, hidden, dtype=dtype).normal_(0.0, std)[first:first + local]
+        w2 = torch.empty(experts, hidden, ffn, dtype=dtype).normal_(0.0, out_std)[first:first + local]
+        piece = ffn // tp_size
+        w1 = torch.cat([c.narrow(1, tp_rank * piece, piece) for c in w1.chunk(2 if gated else 1, dim=1)], dim=1)
+        w2 = w2.narrow(2, tp_rank * piece, piece)
+        self.w1, self.w2 = nn.Parameter(w1.clone()), nn.Parameter(w2.clone())
         self.experts, self.local, self.first, self.kernel = experts, local, first, kernel
         self.act = act  # a module of its own, so the memory ledger can name what it keeps
-        self.sp_replicated = sp_replicated
+        self.sp_replicated, self.tp_size, self.chunks = sp_replicated and tp_size == 1, tp_size, 2 if gated else 1
 
     def param_layouts(self) -> dict[str, ParamLayout]:
+        if self.tp_size > 1:  # column-parallel fc1 (per chunk), row-parallel fc2
+            return {"w1": ParamLayout(split_dim=1, chunks=self.chunks), "w2": ParamLayout(split_dim=2)}
         lay = SP_REPLICATED if self.sp_replicated else REPLICATED
         return {"w1": lay, "w2": lay}
 

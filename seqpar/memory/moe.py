@@ -24,6 +24,8 @@ shared experts                        the dense MLP's activation and fc2 inputs 
 Recomputing the expert activation (the MLP's choice after fused attention, ``docs/memory.md``)
 would drop the ``m' f a`` (x2) term; seqpar does not offer it for MoE layers yet. A capacity
 factor caps ``m`` at the kept assignments and its scatter keeps the rows once more (``m h a``).
+Expert-TP = t (``moe.expert_tp``): under SP the experts see the TP group's ``t n`` tokens (``m = t n k``,
+routing weights ``a t n k``) at width ``f/t``.
 """
 from __future__ import annotations
 
@@ -48,13 +50,16 @@ def moe_ffn_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, ep: int =
     E, k = moe.experts, moe.top_k
     f = moe.expert_ffn(cfg.ffn_hidden)
     n = Fraction(s * b, t if cfg.sequence_parallel else 1)
-    m = n * k
+    etp = moe.expert_tp and t > 1  # expert-TP: the TP group's tokens gathered into f/t of every expert
+    n_in = n * t if etp and cfg.sequence_parallel else n
+    fe = f // t if etp else f  # each expert's width on this rank
+    m = n_in * k
     m_in = m if received is None else Fraction(received)
     gated = 2 if cfg.mlp == "swiglu" else 1
     terms = {"moe_input": n * h * act, "router_probs": 4 * n * E, "topk_indices": 8 * n * k,
-             "routing_weights": act * n * k, "permutation_indices": 16 * m + (16 * m_in if ep > 1 else 0),
-             "expert_rows": m_in * h * act, "expert_act_input": gated * m_in * f * act,
-             "expert_fc2_input": m_in * f * act, "combined_outputs": m * h * act}
+             "routing_weights": act * n_in * k, "permutation_indices": 16 * m + (16 * m_in if ep > 1 else 0),
+             "expert_rows": m_in * h * act, "expert_act_input": gated * m_in * fe * act,
+             "expert_fc2_input": m_in * fe * act, "combined_outputs": m * h * act}
     if moe.norm_topk:
         terms["topk_norm"] = 4 * n * k + 4 * n
     if moe.router == "sigmoid" and moe.aux_loss_coeff > 0:
@@ -63,7 +68,7 @@ def moe_ffn_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, ep: int =
         terms["aux_loss"] = Fraction(4 * E)
     if moe.z_loss_coeff > 0:
         terms["z_loss"] = 4 * n * E + 4 * n
-    if gemms := _grouped_gemms(cfg, f, device, act):
+    if gemms := _grouped_gemms(cfg, fe, device, act):
         terms["grouped_mm_offsets"] = Fraction(gemms * 4 * E // ep)  # int32 [E/ep] per grouped GEMM
     if moe.shared_experts:
         fs = moe.shared_experts * f
@@ -78,7 +83,7 @@ def all_to_all_bytes(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, ep: in
     communication counter records them), dropless: per rank ``E`` int64 counts, then its ``n k``
     rows out and the same rows back, forward; backward the rows again both ways. On the wire a
     rank sends ``(ep-1)/ep`` of its rows when the load is even."""
-    n = s * b // (t if cfg.sequence_parallel else 1)
+    n = s * b // (t if cfg.sequence_parallel and not (cfg.moe.expert_tp and t > 1) else 1)  # expert-TP: gathered
     rows = n * cfg.moe.top_k * cfg.hidden * act
     return {"counts": ep * cfg.moe.experts * 8, "forward_rows": ep * 2 * rows, "backward_rows": ep * 2 * rows}
 

@@ -48,7 +48,7 @@ def moe_ffn_params(model: GPTConfig, t: int, ep: int = 1) -> int:
     f = moe.expert_ffn(model.ffn_hidden)
     gated = 2 if model.mlp == "swiglu" else 1
     router = moe.experts * h + (moe.experts if moe.router == "sigmoid" else 0)
-    experts = moe.experts // ep * (gated + 1) * f * h
+    experts = moe.experts // ep * (gated + 1) * f * h // (t if moe.expert_tp else 1)  # expert-TP: f/t each
     shared = moe.shared_experts * f * (gated + 1) * h // t
     return router + experts + shared
 

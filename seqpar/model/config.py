@@ -114,6 +114,9 @@ class MoEConfig(Freezable):
     # None: dropless; else each expert takes at most ceil(capacity_factor * tokens * k / E) of a
     # micro-batch's assignments (earliest tokens first), the rest dropped and counted
     capacity_factor: float | None = None
+    # split each expert's width over the TP ranks (expert-TP = t: tokens all-gathered over TP into the
+    # experts, outputs reduce-scattered back) instead of every TP rank holding whole experts (expert-TP = 1)
+    expert_tp: bool = False
 
     def validate(self) -> None:
         for name in ("experts", "top_k", "every"):
@@ -142,6 +145,8 @@ class MoEConfig(Freezable):
         cf = self.capacity_factor
         if cf is not None and not (isinstance(cf, (int, float)) and math.isfinite(cf) and cf > 0):
             raise UserError(f"MoEConfig.capacity_factor must be a finite number > 0 or null, got {cf!r}")
+        if cf is not None and self.expert_tp:
+            raise UserError(f"MoEConfig.capacity_factor={cf} with expert_tp=true is not supported yet")
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether transformer layer ``i`` (0-based) has an MoE FFN."""
@@ -305,8 +310,9 @@ class GPTConfig(Freezable):
         self.validate()
         bad = [f"{name} ({getattr(self, name)})" for name in ("heads", "hidden", "ffn_hidden")
                if getattr(self, name) % t]
-        if self.moe is not None and self.moe.shared_experts and self.moe.expert_ffn(self.ffn_hidden) % t:
-            bad.append(f"moe.ffn_hidden ({self.moe.expert_ffn(self.ffn_hidden)}, the shared experts' width)")
+        moe = self.moe
+        if moe is not None and (moe.shared_experts or moe.expert_tp) and moe.expert_ffn(self.ffn_hidden) % t:
+            bad.append(f"moe.ffn_hidden ({moe.expert_ffn(self.ffn_hidden)}, the shared or expert-TP experts' width)")
         if self.sequence_parallel and self.seq_len % t:
             bad.append(f"seq_len ({self.seq_len}, sequence parallelism)")
         if bad:

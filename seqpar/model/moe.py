@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ..distributed.collectives import all_gather_dim0, all_reduce, group_rank, group_size
 from ..distributed.expert_dispatch import combine, dispatch
-from ..distributed.regions import reduce_from_tp
+from ..distributed.regions import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 from ..layers.experts import GroupedExperts, inverse_permutation, sort_by_expert
 from ..sharding import mark_sp_replicated
 from .config import GPTConfig
@@ -150,9 +150,12 @@ class MoE(nn.Module):
         swiglu = config.mlp == "swiglu"
         act = SwiGLU() if swiglu else nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
         local = moe.experts // ep
+        self.tp_group, self.sp = mesh.tp_group, sp
+        self.expert_tp = moe.expert_tp and t > 1  # experts split over TP: tokens gathered over TP into them
         self.experts = GroupedExperts(moe.experts, local, ep_rank * local, h, f, act, gated=swiglu,
                                       std=layer_std[0], out_std=layer_std[1], dtype=dt,
-                                      sp_replicated=self.token_group is not None)
+                                      sp_replicated=self.token_group is not None,
+                                      tp_rank=mesh.tp_rank if self.expert_tp else 0, tp_size=t if self.expert_tp else 1)
         self.shared = None
         if moe.shared_experts:
             shared_cfg = dataclasses.replace(config, ffn_hidden=moe.shared_experts * f, moe=None, bias=False)
@@ -175,8 +178,20 @@ class MoE(nn.Module):
         order, _ = sort_by_expert(ids, moe.experts)
         order, kept = self._capacity(ids, order, local_counts, n_total)
         self._record(counts, kept)
-        rows = tokens.index_select(0, torch.div(order, moe.top_k, rounding_mode="floor"))  # [m, h] by expert
-        sent = torch.bincount(ids.reshape(-1).index_select(0, order), minlength=moe.experts)
+        if self.expert_tp:
+            y = self._expert_tp(tokens, ids, weights).view(shape)
+        else:
+            y = self._routed(tokens, ids, weights, order, kept).view(shape)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        aux = self._aux_loss(logits, probs, counts, n_total)
+        return y if aux is None else _AttachAux.apply(y, aux, self.cell)
+
+    def _routed(self, tokens, ids, weights, order, kept) -> torch.Tensor:
+        """Rows sorted by expert, to this rank's experts (over ep) and back, each token's k outputs
+        weighted and summed: ``[n, h]``."""
+        rows = tokens.index_select(0, torch.div(order, self.moe.top_k, rounding_mode="floor"))  # [m, h] by expert
+        sent = torch.bincount(ids.reshape(-1).index_select(0, order), minlength=self.moe.experts)
         if group_size(self.ep_group) > 1:
             local_rows, routed = dispatch(rows, sent, self.ep_group)
             self.received_rows = sum(routed.recv_rows)  # this rank's experts' rows (host ints already)
@@ -186,12 +201,23 @@ class MoE(nn.Module):
         if kept is None:  # dropless: back to assignment order by a gather, which keeps only its index
             y = out_rows.index_select(0, inverse_permutation(order))
         else:  # dropped assignments stay zero (index_copy also keeps its source)
-            y = out_rows.new_zeros(ids.numel(), shape[-1]).index_copy(0, order, out_rows)
-        y = (y.view(*ids.shape, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1).view(shape)
-        if self.shared is not None:
-            y = y + self.shared(x)
-        aux = self._aux_loss(logits, probs, counts, n_total)
-        return y if aux is None else _AttachAux.apply(y, aux, self.cell)
+            y = out_rows.new_zeros(ids.numel(), tokens.shape[-1]).index_copy(0, order, out_rows)
+        return (y.view(*ids.shape, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+
+    def _expert_tp(self, tokens, ids, weights) -> torch.Tensor:
+        """Expert-TP = t: every TP rank's experts hold ``f/t`` of each expert, so each needs all the TP
+        group's routed tokens. Under SP the tokens and routing weights are all-gathered over TP (g:
+        backward reduce-scatter sums the ranks' partial gradients) and the partial outputs
+        reduce-scattered back (g-bar); without SP, f and f-bar do the same for replicated tokens."""
+        tp = self.tp_group
+        if self.sp:
+            tokens, weights = gather_from_sp(tokens, tp), gather_from_sp(weights, tp)
+            ids = all_gather_dim0(ids.contiguous(), tp)[0]
+        else:
+            tokens, weights = copy_to_tp(tokens, tp), copy_to_tp(weights, tp)
+        order, _ = sort_by_expert(ids, self.moe.experts)
+        y = self._routed(tokens, ids, weights, order, None)                # this rank's share of the sum
+        return reduce_scatter_to_sp(y, tp) if self.sp else reduce_from_tp(y, tp)
 
     def _capacity(self, ids, order, local_counts, n_total):
         """(kept assignments in expert order, count of kept) under ``capacity_factor``; the
