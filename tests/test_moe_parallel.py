@@ -1,5 +1,6 @@
-"""Expert parallelism equals the one-process model: ep=2 (edp=2), ep=4, and ep=2 x tp=2 with sequence
-parallelism, under ddp and FSDP2 (experts sharded over edp), over several optimizer steps (losses, every gradient, the global norm, the balancing
+"""Expert parallelism equals the one-process model: ep=2 (edp=2), ep=4, ep=2 x tp=2 with sequence
+parallelism, expert-TP, ep carved from dp x cp, under ddp and FSDP2 (experts sharded over edp), over
+several optimizer steps (losses, every gradient, the global norm, the balancing
 bias and the tokens per expert); fp64 gradients at 1e-10; Mixtral and Qwen3-MoE imports in the
 ep x tp layout give Hugging Face's logits; saved activations and all-to-all bytes equal their formulas.
 Each peer bug class is re-created by breaking one reduction, and the same comparison must catch it.
@@ -93,8 +94,8 @@ def worst(run: list[dict], ref: list[dict]) -> dict:
     return out
 
 
-def _mesh(t: int, ep: int) -> ParallelMesh:
-    return expert_parallel(init_parallel(tp=t, dp=WORLD // t, backend="gloo"), ep)
+def _mesh(t: int, ep: int, cp: int = 1) -> ParallelMesh:
+    return expert_parallel(init_parallel(tp=t, dp=WORLD // (t * cp), cp=cp, backend="gloo"), ep)
 
 
 def _copy_after_sum(x, group):
@@ -137,20 +138,25 @@ def _broken(kind: str) -> dict:
         setattr(owner, name, real)
 
 
+# name -> (t, ep, data parallelism, MoE / model settings[, cp])
+LAYOUTS = {
+    "ep2-edp2": (1, 2, "ddp", {}), "ep4": (1, 4, "ddp", {}),
+    "ep2xtp2-sp": (2, 2, "ddp", {"capacity_factor": 1.0}),
+    "ep2-edp2-fsdp": (1, 2, "fsdp", {}), "ep2xtp2-fsdp": (2, 2, "fsdp", {}),
+    "ep2xtp2-no-sp": (2, 2, "ddp", {"sequence_parallel": False}),
+    "ep2xtp2-expert-tp": (2, 2, "ddp", {"expert_tp": True}),
+    "ep2xtp2-expert-tp-fsdp-no-sp": (2, 2, "fsdp", {"expert_tp": True, "sequence_parallel": False}),
+    "ep2xcp2": (1, 2, "ddp", {}, 2), "ep4-over-dp2xcp2-fsdp": (1, 4, "fsdp", {}, 2),
+}
+
+
 def _run_everything(rank, world):
     ref, layouts = {}, {}
-    for name, (t, ep, mode, extra) in {"ep2-edp2": (1, 2, "ddp", {}), "ep4": (1, 4, "ddp", {}),
-                                       "ep2xtp2-sp": (2, 2, "ddp", {"capacity_factor": 1.0}),
-                                       "ep2-edp2-fsdp": (1, 2, "fsdp", {}), "ep2xtp2-fsdp": (2, 2, "fsdp", {}),
-                                       "ep2xtp2-no-sp": (2, 2, "ddp", {"sequence_parallel": False}),
-                                       "ep2xtp2-expert-tp": (2, 2, "ddp", {"expert_tp": True}),
-                                       "ep2xtp2-expert-tp-fsdp-no-sp": (2, 2, "fsdp", {"expert_tp": True,
-                                                                                      "sequence_parallel": False}),
-                                       }.items():
+    for name, (t, ep, mode, extra, *cp) in LAYOUTS.items():
         key = tuple(sorted(extra.items()))
         if key not in ref:
             ref[key] = train(config(**extra), ParallelMesh.single())
-        layouts[name] = worst(train(config(**extra), _mesh(t, ep), mode=mode), ref[key])
+        layouts[name] = worst(train(config(**extra), _mesh(t, ep, *cp), mode=mode), ref[key])
     cfg64 = config("float64", capacity_factor=1.0)
     layouts["fp64"] = worst(train(cfg64, _mesh(2, 2), steps=1), train(cfg64, ParallelMesh.single(), steps=1))
     return layouts, {kind: _broken(kind) for kind in BROKEN}, _hf_logits_in_ep_x_tp(), _bytes_at_ep_x_tp()

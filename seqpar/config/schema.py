@@ -79,8 +79,8 @@ class ParallelConfig(Freezable):
     # each row-parallel GEMM cut into per-rank chunks, each transfer under another chunk's GEMM
     # (forward and backward; PyTorch's async-TP kernels on CUDA + NCCL); same results and bytes
     tp_overlap: bool = False
-    # expert parallelism: each MoE layer's experts split over ep ranks carved from dp (ep divides
-    # dp); tokens reach their experts by all-to-all over ep; expert grads reduced over dp / ep ranks
+    # expert parallelism: each MoE layer's experts split over ep ranks carved from dp x cp (ep divides
+    # dp x cp); tokens reach their experts by all-to-all over ep; expert grads reduced over dp x cp / ep ranks
     ep: int = 1
 
     def validate(self) -> None:
@@ -274,16 +274,17 @@ class RunConfig(Freezable):
         if moe is not None and pc.pp > 1:
             raise UserError(f"model.moe with parallel.pp={pc.pp} is not supported yet (pipeline stages would need "
                             f"the auxiliary losses' gradient scale on every stage)")
+        if moe is not None and pc.cp > 1 and moe.capacity_factor is not None:
+            raise UserError(f"model.moe.capacity_factor with parallel.cp={pc.cp} is not supported yet (a rank's "
+                            f"two sequence chunks are not contiguous, so the capacity queue has no global order)")
         if pc.ep == 1:
             return
         if moe is None:
             raise UserError(f"parallel.ep={pc.ep} splits experts, but the model has none (set model.moe)")
         moe.check_experts_parallel(pc.ep)
-        if pc.cp > 1:
-            raise UserError(f"parallel.ep={pc.ep} with parallel.cp={pc.cp} is not supported yet")
-        if pc.dp is not None and pc.dp % pc.ep:
-            raise UserError(f"parallel.ep={pc.ep} must divide parallel.dp={pc.dp} (experts are split over ranks "
-                            f"carved from dp)")
+        if pc.dp is not None and (pc.dp * pc.cp) % pc.ep:
+            raise UserError(f"parallel.ep={pc.ep} must divide parallel.dp x parallel.cp = {pc.dp} x {pc.cp} (experts "
+                            f"are split over ranks carved from dp x cp)")
 
     def _validate_pipeline(self) -> None:
         """Pipeline stages: L divisible into pp x virtual_stages stages, a schedule that fits m."""

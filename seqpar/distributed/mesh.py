@@ -48,7 +48,7 @@ class ParallelMesh:
     cp_size: int = 1
     cp_rank: int = 0
     cp_group: dist.ProcessGroup | None = None
-    # expert parallelism, carved from dp: dp rank = edp_rank * ep + ep_rank (expert_parallel())
+    # expert parallelism, carved from dp x cp: dp rank x cp + cp rank = edp_rank * ep + ep_rank (expert_parallel())
     ep_size: int = 1
     ep_rank: int = 0
     ep_group: dist.ProcessGroup | None = None    # the ranks whose experts together make all experts
@@ -56,8 +56,8 @@ class ParallelMesh:
 
     @property
     def edp_size(self) -> int:
-        """Expert-data-parallel size: dp / ep ranks hold the same experts."""
-        return self.dp_size // self.ep_size
+        """Expert-data-parallel size: dp x cp / ep ranks hold the same experts."""
+        return self.dp_size * self.cp_size // self.ep_size
 
     @property
     def expert_dp_group(self) -> dist.ProcessGroup | None:
@@ -289,20 +289,22 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, cp: int = 
 
 
 def expert_parallel(mesh: ParallelMesh, ep: int) -> ParallelMesh:
-    """``mesh`` with an ``ep`` dimension carved from dp: dp rank ``d`` is expert-parallel rank
-    ``d % ep`` of expert-data-parallel rank ``d // ep`` (the ep ranks of a group are neighbours
-    in dp). Builds every rank's ep and edp groups (``new_group`` is collective: every rank calls
-    this, with the same ``ep``). Context parallelism is not carved yet (cp must be 1)."""
+    """``mesh`` with an ``ep`` dimension carved from dp x cp: the rank at dp rank ``d`` and cp rank
+    ``c`` has data index ``i = d cp + c`` and is expert-parallel rank ``i % ep`` of
+    expert-data-parallel rank ``i // ep`` (the ep ranks of a group are neighbours, CP ranks first).
+    Builds every rank's ep and edp groups (``new_group`` is collective: every rank calls this, with
+    the same ``ep``)."""
     if ep == mesh.ep_size:
         return mesh
-    if mesh.cp_size > 1 or mesh.dp_size % ep:
-        raise UserError(f"parallel.ep={ep} must divide dp={mesh.dp_size} (and needs cp=1, got cp={mesh.cp_size})")
+    dp, cp, tp = mesh.dp_size, mesh.cp_size, mesh.tp_size
+    if (dp * cp) % ep:
+        raise UserError(f"parallel.ep={ep} must divide dp x cp = {dp} x {cp} = {dp * cp}")
     from .collectives import new_group
-    dp, tp, edp = mesh.dp_size, mesh.tp_size, mesh.dp_size // ep
+    data, edp = dp * cp, dp * cp // ep
     mine: dict[str, dist.ProcessGroup | None] = {"ep": None, "edp": None}
     for pp in range(mesh.pp_size):
         for t in range(tp):
-            rank = lambda d: (pp * dp + d) * tp + t  # noqa: E731 - cp = 1
+            rank = lambda i: (pp * data + i) * tp + t  # noqa: E731 - data index i = dp rank x cp + cp rank
             for e in range(edp):
                 ranks = [rank(e * ep + j) for j in range(ep)]
                 group = new_group(ranks)
@@ -311,8 +313,8 @@ def expert_parallel(mesh: ParallelMesh, ep: int) -> ParallelMesh:
                 ranks = [rank(e * ep + j) for e in range(edp)]
                 group = new_group(ranks) if edp > 1 else None
                 mine["edp"] = group if mesh.rank in ranks else mine["edp"]
-    return dataclasses.replace(mesh, ep_size=ep, ep_rank=mesh.dp_rank % ep, ep_group=mine["ep"],
-                               edp_group=mine["edp"])
+    index = mesh.dp_rank * cp + mesh.cp_rank
+    return dataclasses.replace(mesh, ep_size=ep, ep_rank=index % ep, ep_group=mine["ep"], edp_group=mine["edp"])
 
 
 def destroy_parallel() -> None:

@@ -4,7 +4,7 @@
 
 1. router logits ``[n, E]`` in fp32 whatever the compute dtype; top-k by softmax probabilities
    (Mixtral, Qwen3-MoE) or by sigmoid scores plus a balancing bias (DeepSeek-V3);
-2. per-expert counts summed over the micro-batch's token shards (the TP group under SP): the
+2. per-expert counts summed over the micro-batch's token shards (the TP group under SP, the CP group): the
    load-balancing loss, the z-loss and the capacity limit see the whole micro-batch, so they equal
    the one-process model's;
 3. assignments sorted by expert, over capacity ones dropped (``capacity_factor``), rows
@@ -31,6 +31,7 @@ from ..distributed.expert_dispatch import combine, dispatch
 from ..distributed.regions import copy_to_tp, gather_from_sp, reduce_from_tp, reduce_scatter_to_sp
 from ..layers.experts import GroupedExperts, inverse_permutation, sort_by_expert
 from ..sharding import mark_sp_replicated
+from ..errors import UserError
 from .config import GPTConfig
 from .mlp import MLP, SwiGLU
 
@@ -143,6 +144,9 @@ class MoE(nn.Module):
         self.moe, self.cell = moe, cell
         t, sp = mesh.tp_size, config.sequence_parallel
         self.token_group = mesh.tp_group if sp and t > 1 else None  # ranks holding other tokens of the batch
+        self.cp_group = mesh.cp_group if mesh.cp_size > 1 else None  # ... and the other chunks of its sequences
+        if self.cp_group is not None and moe.capacity_factor is not None:
+            raise UserError(f"model.moe.capacity_factor with parallel.cp={mesh.cp_size} is not supported yet")
         self.ep_group, ep, ep_rank = getattr(mesh, "ep_group", None), mesh.ep_size, mesh.ep_rank
         moe.check_experts_parallel(ep)
         f = moe.expert_ffn(config.ffn_hidden)
@@ -173,8 +177,9 @@ class MoE(nn.Module):
         ids, weights, probs = self.router.route(logits)
         local_counts = torch.bincount(ids.reshape(-1), minlength=moe.experts)
         counts = local_counts.clone()
-        all_reduce(counts, self.token_group)                                  # the micro-batch's counts
-        n_total = tokens.shape[0] * group_size(self.token_group)
+        for group in (self.token_group, self.cp_group):                      # the micro-batch's counts
+            all_reduce(counts, group)
+        n_total = tokens.shape[0] * group_size(self.token_group) * group_size(self.cp_group)
         order, _ = sort_by_expert(ids, moe.experts)
         order, kept = self._capacity(ids, order, local_counts, n_total)
         self._record(counts, kept)
@@ -253,10 +258,11 @@ class MoE(nn.Module):
         by f-bar: forward all-reduce, backward identity)."""
         moe, total = self.moe, None
         if moe.aux_loss_coeff > 0:
-            p_sum = reduce_from_tp(probs.sum(0), self.token_group)
+            p_sum = reduce_from_tp(reduce_from_tp(probs.sum(0), self.token_group), self.cp_group)
             total = moe.aux_loss_coeff * moe.experts / (moe.top_k * n_total ** 2) * (counts.float() * p_sum).sum()
         if moe.z_loss_coeff > 0:
-            z = reduce_from_tp(torch.logsumexp(logits, -1).square().sum(), self.token_group)
+            z = reduce_from_tp(reduce_from_tp(torch.logsumexp(logits, -1).square().sum(), self.token_group),
+                               self.cp_group)
             z = moe.z_loss_coeff * z / n_total
             total = z if total is None else total + z
         return total

@@ -101,19 +101,21 @@ class DataParallel:
         if self.expert_buckets is not None:
             self.expert_buckets.finish()
         if cp > 1 and self.sharded:  # FSDP averaged the shares over dp x cp: a sum over cp, a mean over dp only
-            grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+            plain = {id(p) for p in self.experts.params} if not self.experts.reduced_by_fsdp else set()
+            grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None and id(p) not in plain]
             torch._foreach_mul_(grads, float(cp))
         if self.sharded:
             sync_sharded_sp_grads(self.model, tp)
         else:
             sync_sp_replicated_grads(self.model, tp)
         self.experts.reduce()  # over edp, divided by dp (under FSDP2: its edp mean, scaled by 1/ep)
-        finish_moe_step(self.model, self.mesh.dp_cp_group)
+        finish_moe_step(self.model, self.mesh.dp_group)  # counts are summed over tp (SP) and cp already
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm of the full model before clipping (clipped in place when > 0)."""
         return clip_grad_norm(self.model, max_norm, tp_group=self.mesh.tp_group, dp_group=self.norm_group,
-                              device=self.mesh.device, experts=self.experts.params, expert_dp_group=self.mesh.edp_group)
+                              device=self.mesh.device, experts=self.experts.params, expert_dp_group=self.mesh.edp_group,
+                              data_group=self.mesh.dp_cp_group)
 
 
 def wrap_ddp(model: nn.Module, mesh: ParallelMesh, bucket_mib: float = DEFAULT_BUCKET_MIB,

@@ -4,7 +4,8 @@ step's expert load (logged, and moving the sigmoid router's balancing bias).
 Expert weights are split over ``ep`` ranks carved from dp. An expert's local gradient already
 holds every ep rank's tokens (they came through the all-to-all), so what is left is the
 ``edp = dp / ep`` ranks holding the same experts: their gradients are summed over edp and divided
-by **dp** (not edp), since the loss is the mean over all dp ranks' micro-batches. DDP and FSDP
+by **dp** (not edp), since the loss is the mean over all dp ranks' micro-batches (summed over the
+CP ranks' shares of a sequence, which ep may also span). DDP and FSDP
 are told to leave the expert weights alone. Router and shared-expert weights are dense weights,
 reduced over dp like any other.
 """

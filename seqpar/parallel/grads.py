@@ -8,7 +8,8 @@ gradient exactly once, reading the layouts (:mod:`seqpar.sharding`) instead of r
   rank 0 only.
 * dp: an FSDP2 gradient (a DTensor holding this rank's dp shard) is summed over dp; a gradient
   replicated over dp (ddp, pipelines) is counted on dp rank 0 only; an expert's gradient (experts
-  split over ep, a part of dp) on the first rank of its expert-data-parallel group.
+  split over ep, carved from dp x cp) on the first rank of its expert-data-parallel group, summed
+  over all dp x cp ranks.
 * pp: every stage holds other parameters, so squares are summed over pp; a tied copy another
   stage counts (the last stage's token table) is passed in ``exclude``.
 
@@ -123,7 +124,8 @@ def scale_grads_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
 def clip_grad_norm(module: nn.Module, max_norm: float, *, tp_group: ProcessGroup | None = None,
                    dp_group: ProcessGroup | None = None, pp_group: ProcessGroup | None = None,
                    exclude: Iterable[nn.Parameter] = (), device: torch.device | str | None = None,
-                   experts: Iterable[nn.Parameter] = (), expert_dp_group: ProcessGroup | None = None) -> torch.Tensor:
+                   experts: Iterable[nn.Parameter] = (), expert_dp_group: ProcessGroup | None = None,
+                   data_group: ProcessGroup | None = None) -> torch.Tensor:
     """Global L2 norm of the full model's gradients from this rank's part ``module``, over every
     layout at once (tp splits, FSDP2 dp shards, pp stages, tied copies in ``exclude`` and
     replicated parameters counted once). Scales every gradient of ``module`` in place by
@@ -133,12 +135,21 @@ def clip_grad_norm(module: nn.Module, max_norm: float, *, tp_group: ProcessGroup
     (one scalar each); no host sync."""
     grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
     device = grads[0].device if grads else torch.device(device or "cpu")
+    experts = list(experts)
     counted = counted_here(module, tp_group=tp_group, dp_group=dp_group, exclude=exclude, experts=experts,
                            expert_dp_group=expert_dp_group)
     views = replica_views(module, group_rank(tp_group), group_size(tp_group)) if group_size(tp_group) > 1 else {}
-    total = _sum_of_squares([v for p in counted for v in views.get(id(p), [local_tensor(p.grad)])], device)
+    split = {id(p) for p in experts}
+    squares = lambda ps: _sum_of_squares([v for p in ps for v in views.get(id(p), [local_tensor(p.grad)])],  # noqa: E731
+                                         device)
+    total = squares([p for p in counted if id(p) not in split])
     for group in (tp_group, dp_group, pp_group):
         all_reduce(total, group)
+    if experts:  # split over ep, which dp x cp holds: summed over all data ranks (``data_group``)
+        part = squares([p for p in counted if id(p) in split])
+        for group in (tp_group, data_group, pp_group):
+            all_reduce(part, group)
+        total += part
     norm = total.sqrt()
     if max_norm > 0 and grads:
         scale_grads_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))

@@ -29,6 +29,8 @@ def _megatron_layer(h: int, f: int, experts: int, top_k: int):
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    if parallel_state.model_parallel_is_initialized() and parallel_state.get_tensor_model_parallel_world_size() != 1:
+        parallel_state.destroy_model_parallel()  # (every rank of the world calls this: new groups are collective)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=1, create_gloo_process_groups=False)
     cfg = TransformerConfig(num_layers=1, hidden_size=h, num_attention_heads=1, ffn_hidden_size=f,
@@ -63,7 +65,8 @@ def _median_step(forward, x: torch.Tensor, g: torch.Tensor, repeats: int, warmup
     return statistics.median(times)
 
 
-def _bench_rank(rank: int, world: int, shape: dict, repeats: int, warmup: int) -> dict:
+def bench_rank(rank: int, world: int, shape: dict, repeats: int, warmup: int) -> dict:
+    """One rank's comparison (every rank of an initialised world runs it; each compares on its own)."""
     import megatron.core.transformer.moe.moe_utils as moe_utils
 
     from .megatron_peer import megatron_patches
@@ -91,7 +94,7 @@ def _bench_rank(rank: int, world: int, shape: dict, repeats: int, warmup: int) -
 def moe_bench(shape: dict, repeats: int = 10, warmup: int = 2) -> dict:
     """Run the comparison on one local rank (a gloo group of one); ``shape``: seq, batch, hidden,
     ffn, experts, top_k."""
-    return run_local(_bench_rank, 1, shape, repeats, warmup, timeout=600)[0]
+    return run_local(bench_rank, 1, shape, repeats, warmup, timeout=600)[0]
 
 
 def moe_table(shape: dict, r: dict) -> str:
@@ -105,4 +108,4 @@ def moe_table(shape: dict, r: dict) -> str:
     return "\n".join(rows)
 
 
-__all__ = ["moe_bench", "moe_table"]
+__all__ = ["bench_rank", "moe_bench", "moe_table"]
