@@ -168,7 +168,8 @@ def test_bad_moe_settings_are_refused_naming_the_values(bad, match):
 
 
 @pytest.mark.parametrize("mlp,extra", [("swiglu", {}), ("gelu", {"router": "sigmoid", "shared_experts": 1}),
-                                       ("swiglu", {"norm_topk": False, "aux_loss_coeff": 0.0, "z_loss_coeff": 0.0})])
+                                       ("swiglu", {"norm_topk": False, "aux_loss_coeff": 0.0, "z_loss_coeff": 0.0}),
+                                       ("swiglu", {"recompute_experts": True}), ("gelu", {"recompute_experts": True})])
 def test_saved_activations_equal_the_moe_formula(mlp, extra):
     """The ledger's bytes of every layer, MoE and dense, equal the formula's (the norms' small
     statistics aside, which the paper leaves out too), fp32 and bf16."""
@@ -184,3 +185,17 @@ def test_parameter_count_formula_equals_the_built_model():
         cfg = dataclasses.replace(moe_config(**extra), layers=4, qk_norm=True, kv_heads=2, norm="rmsnorm")
         assert GPT(cfg).num_parameters(dense=False) == stage_params(cfg, t=1)
 
+
+
+def test_recomputing_the_expert_activation_gives_the_same_gradients_and_keeps_less():
+    from seqpar.memory.moe import moe_ffn_terms
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    grads, kept = {}, {}
+    for recompute in (False, True):
+        cfg = moe_config(recompute_experts=recompute)
+        model = GPT(cfg, seed=4)
+        model(tokens, tokens).backward()
+        grads[recompute] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        kept[recompute] = sum(moe_ffn_terms(cfg, s=8, b=2, t=1, act=8, device="cpu").values())
+    assert all(torch.allclose(grads[True][n], g, atol=1e-14, rtol=1e-12) for n, g in grads[False].items())
+    assert kept[False] - kept[True] == 2 * 8 * 2 * 2 * 16 * 8 - 8 * 4  # the SwiGLU input [n k, 2f], less the counts

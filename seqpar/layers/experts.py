@@ -13,7 +13,7 @@ elsewhere, fp64 included. Both give the same numbers (tests/test_moe.py).
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn as nn
@@ -110,10 +110,15 @@ class GroupedExperts(nn.Module):
         lay = SP_REPLICATED if self.sp_replicated else REPLICATED
         return {"w1": lay, "w2": lay}
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """``x [N, h]`` grouped by local expert (``counts [E_l]``) -> ``[N, h]``."""
-        return grouped_linear(self.act(grouped_linear(x, self.w1, counts, self.kernel)), self.w2, counts,
-                              self.kernel)
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, recompute: Callable | None = None) -> torch.Tensor:
+        """``x [N, h]`` grouped by local expert (``counts [E_l]``) -> ``[N, h]``. ``recompute``: a
+        checkpoint function (:func:`seqpar.recompute.checkpoint`) that runs fc1 and the activation
+        without keeping the activation's input, and recomputes them in backward."""
+        hidden = self._fc1_act(x, counts) if recompute is None else recompute(self._fc1_act, x, counts)
+        return grouped_linear(hidden, self.w2, counts, self.kernel)
+
+    def _fc1_act(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return self.act(grouped_linear(x, self.w1, counts, self.kernel))
 
     def extra_repr(self) -> str:
         return (f"experts {self.first}..{self.first + self.local - 1} of {self.experts}, w1={tuple(self.w1.shape)}, "

@@ -21,8 +21,9 @@ balancing loss / z-loss               ``4 E`` / ``4 n E + 4 n``
 shared experts                        the dense MLP's activation and fc2 inputs at ``f_s``
 ====================================  ==============================================
 
-Recomputing the expert activation (the MLP's choice after fused attention, ``docs/memory.md``)
-would drop the ``m' f a`` (x2) term; seqpar does not offer it for MoE layers yet. A capacity
+Recomputing the expert activation (``moe.recompute_experts``, the MLP's choice after fused attention,
+``docs/memory.md``) drops the ``m' f a`` (x2 for SwiGLU) term and fc1's offsets, and keeps the
+per-expert counts (``8 E/ep``) instead. A capacity
 factor caps ``m`` at the kept assignments and its scatter keeps the rows once more (``m h a``).
 Expert-TP = t (``moe.expert_tp``): under SP the experts see the TP group's ``t n`` tokens (``m = t n k``,
 routing weights ``a t n k``) at width ``f/t``.
@@ -35,12 +36,14 @@ from ..layers.experts import grouped_mm_supported
 from ..model.config import GPTConfig
 
 
-def _grouped_gemms(cfg: GPTConfig, f: int, device: str, act: int) -> int:
-    """How many of the two expert GEMMs run as ``torch._grouped_mm`` at ``act``-byte rows on ``device``."""
+def _grouped_gemms(cfg: GPTConfig, f: int, device: str, act: int, first_only: bool = False) -> int:
+    """How many of the two expert GEMMs (``first_only``: whether fc1) run as ``torch._grouped_mm`` at
+    ``act``-byte rows on ``device``."""
     import torch
     dtype = {2: torch.bfloat16, 4: torch.float32, 8: torch.float64}[act]
     rows = 2 * f if cfg.mlp == "swiglu" else f
-    return grouped_mm_supported(device, dtype, rows, cfg.hidden) + grouped_mm_supported(device, dtype, cfg.hidden, f)
+    fc1 = grouped_mm_supported(device, dtype, rows, cfg.hidden)
+    return fc1 if first_only else fc1 + grouped_mm_supported(device, dtype, cfg.hidden, f)
 
 
 def moe_ffn_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, ep: int = 1, received: int | None = None,
@@ -68,7 +71,12 @@ def moe_ffn_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, ep: int =
         terms["aux_loss"] = Fraction(4 * E)
     if moe.z_loss_coeff > 0:
         terms["z_loss"] = 4 * n * E + 4 * n
-    if gemms := _grouped_gemms(cfg, fe, device, act):
+    gemms = _grouped_gemms(cfg, fe, device, act)
+    if moe.recompute_experts:  # fc1 + activation recomputed: their inputs' counts kept instead
+        del terms["expert_act_input"]
+        gemms = gemms - 1 if _grouped_gemms(cfg, fe, device, act, first_only=True) else gemms
+        terms["expert_counts"] = Fraction(8 * E // ep)
+    if gemms:
         terms["grouped_mm_offsets"] = Fraction(gemms * 4 * E // ep)  # int32 [E/ep] per grouped GEMM
     if moe.shared_experts:
         fs = moe.shared_experts * f

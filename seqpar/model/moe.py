@@ -32,6 +32,7 @@ from ..distributed.regions import copy_to_tp, gather_from_sp, reduce_from_tp, re
 from ..layers.experts import GroupedExperts, inverse_permutation, sort_by_expert
 from ..sharding import mark_sp_replicated
 from ..errors import UserError
+from ..recompute import checkpoint
 from .config import GPTConfig
 from .mlp import MLP, SwiGLU
 
@@ -166,6 +167,7 @@ class MoE(nn.Module):
             self.shared = MLP(shared_cfg, mesh.tp_group, layer_std)
         if self.token_group is not None:
             mark_sp_replicated(self.router, ["weight"])
+        self._recompute = checkpoint if moe.recompute_experts else None  # the experts' fc1 + activation
         self.load: torch.Tensor | None = None  # tokens per expert summed over this step's micro-batches
         self.received_rows: int | None = None  # ep > 1: rows the last forward brought to this rank's experts
         self.dropped: torch.Tensor | None = None
@@ -200,9 +202,9 @@ class MoE(nn.Module):
         if group_size(self.ep_group) > 1:
             local_rows, routed = dispatch(rows, sent, self.ep_group)
             self.received_rows = sum(routed.recv_rows)  # this rank's experts' rows (host ints already)
-            out_rows = combine(self.experts(local_rows, routed.local_counts), routed, self.ep_group)
+            out_rows = combine(self.experts(local_rows, routed.local_counts, self._recompute), routed, self.ep_group)
         else:
-            out_rows = self.experts(rows, sent)
+            out_rows = self.experts(rows, sent, self._recompute)
         if kept is None:  # dropless: back to assignment order by a gather, which keeps only its index
             y = out_rows.index_select(0, inverse_permutation(order))
         else:  # dropped assignments stay zero (index_copy also keeps its source)
