@@ -74,3 +74,19 @@ def test_import_refuses_what_seqpar_cannot_express():
     hf.config.mlp_only_layers = [1]
     with pytest.raises(UserError, match=r"mlp_only_layers=\[1\] must be the first layers"):
         from_hf(hf)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3_moe"])
+def test_seqpar_import_then_export_round_trips_a_hf_folder(kind, tmp_path):
+    """``seqpar import`` of a saved Hugging Face folder, then ``seqpar export --format hf`` of that
+    checkpoint: the same model type and every tensor equal."""
+    from seqpar.interop.export import export_hf
+    from seqpar.interop.hf_import import import_hf
+    hf = hf_moe(kind, seed=2)
+    hf.save_pretrained(tmp_path / "hf")
+    ckpt = import_hf(tmp_path / "hf", tmp_path / "ckpt")
+    out = export_hf(ckpt, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert back.config.model_type == kind
+    original, again = hf.state_dict(), back.state_dict()
+    assert set(original) == set(again) and all(torch.equal(original[k], again[k]) for k in original)
