@@ -271,9 +271,6 @@ class RunConfig(Freezable):
         if moe is not None and self.train.compile is True:
             raise UserError("model.moe with train.compile=true is not supported yet: the router's token counts "
                             "and the all-to-all splits are data-dependent (train.compile=auto runs MoE eagerly)")
-        if moe is not None and pc.pp > 1:
-            raise UserError(f"model.moe with parallel.pp={pc.pp} is not supported yet (pipeline stages would need "
-                            f"the auxiliary losses' gradient scale on every stage)")
         if moe is not None and pc.cp > 1 and moe.capacity_factor is not None:
             raise UserError(f"model.moe.capacity_factor with parallel.cp={pc.cp} is not supported yet (a rank's "
                             f"two sequence chunks are not contiguous, so the capacity queue has no global order)")
@@ -281,6 +278,9 @@ class RunConfig(Freezable):
             return
         if moe is None:
             raise UserError(f"parallel.ep={pc.ep} splits experts, but the model has none (set model.moe)")
+        if pc.pp > 1:
+            raise UserError(f"parallel.ep={pc.ep} with parallel.pp={pc.pp} is not supported yet (pipeline stages "
+                            f"reduce their gradients over dp themselves, not the experts' over edp)")
         moe.check_experts_parallel(pc.ep)
         if pc.dp is not None and (pc.dp * pc.cp) % pc.ep:
             raise UserError(f"parallel.ep={pc.ep} must divide parallel.dp x parallel.cp = {pc.dp} x {pc.cp} (experts "

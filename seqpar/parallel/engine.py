@@ -33,7 +33,8 @@ from ..memory.whole_model import model_activation_bytes
 from ..model import GPT
 from .apply import Applied, apply_parallelism
 from .compile import CompileReport
-from .expert_grads import load_lines
+from ..model.moe import moe_layers
+from .expert_grads import finish_moe_step, load_lines
 from .fsdp import reshard
 from .pipeline import build_pipeline, resolve_schedule
 from .precision import Precision
@@ -190,6 +191,8 @@ class PipelineEngine(StepEngine):
         tokens = torch.cat([x for x, _ in micro_batches])
         labels = torch.cat([y for _, y in micro_batches])
         weights = prec.compute_weights(self.module)
+        for _, layer in moe_layers(self.module):  # the loss is scaled by 1/n on the last stage only: the
+            layer.cell.value = torch.tensor(1.0 / self.pipe.n_microbatches)  # MoE losses take the same scale
         # the first step only; what a recompute saves while backward runs is its transient, not in §4.2.3
         ledger = PeakActivationLedger(self.module, during_backward=False) if self.peak is None else None
         with prec.weights_in(self.module, weights), prec.autocast(), ledger or contextlib.nullcontext():
@@ -199,6 +202,7 @@ class PipelineEngine(StepEngine):
         if weights is not None:
             prec.accumulate(self.module, weights)
             self.pipe.finish_grads()
+        finish_moe_step(self.module, self.mesh.dp_group)  # this stage's MoE layers: load, balancing bias
         return loss
 
     def clip(self, max_norm: float) -> torch.Tensor:
@@ -248,8 +252,9 @@ class PipelineEngine(StepEngine):
                 f"time of the step), (p-1)/(m n) = {self.pipe.ideal_bubble():.3f}")
 
     def log_lines(self) -> list[str]:
+        """The measured bubble, and the tokens per expert of this rank's MoE layers."""
         line = self.bubble_line()
-        return [line] if line else []
+        return ([line] if line else []) + load_lines(self.module)
 
 
 def build_engine(cfg: RunConfig, mesh: ParallelMesh, *, accum: int, precision: Precision,
