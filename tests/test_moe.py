@@ -199,3 +199,20 @@ def test_recomputing_the_expert_activation_gives_the_same_gradients_and_keeps_le
         kept[recompute] = sum(moe_ffn_terms(cfg, s=8, b=2, t=1, act=8, device="cpu").values())
     assert all(torch.allclose(grads[True][n], g, atol=1e-14, rtol=1e-12) for n, g in grads[False].items())
     assert kept[False] - kept[True] == 2 * 8 * 2 * 2 * 16 * 8 - 8 * 4  # the SwiGLU input [n k, 2f], less the counts
+
+
+def test_compile_auto_says_why_an_moe_model_runs_eagerly_and_true_is_refused():
+    """torchtitan #1668 (compile fails for MoE with selective recompute): seqpar does not compile MoE
+    blocks; `auto` says so on a GPU run's first step, `true` is a config error."""
+    from types import SimpleNamespace
+
+    from seqpar.config import load_run_config
+    from seqpar.parallel.compile import compile_enabled
+    from seqpar.parallel.engine import StepEngine
+    cfg = load_run_config("moe-tiny-cpu")
+    assert not compile_enabled("auto", torch.device("cuda"), cfg.model)
+    engine = StepEngine.__new__(StepEngine)
+    engine.cfg, engine.mesh, engine.compiled = cfg, SimpleNamespace(device=torch.device("cuda")), None
+    assert "auto runs MoE blocks eagerly" in engine.compile_line(0.0)
+    with pytest.raises(UserError, match="model.moe with train.compile=true is not supported yet"):
+        load_run_config("moe-tiny-cpu", ["train.compile=true"]).validate()

@@ -85,8 +85,12 @@ class StepEngine:
         raise NotImplementedError
 
     def compile_line(self, seconds: float | None = None) -> str | None:
-        """What was compiled and how long compilation took (once, after the first step)."""
+        """What was compiled and how long compilation took (once, after the first step); under
+        ``train.compile=auto`` on a GPU, why an MoE model was not compiled."""
         if self.compiled is None:
+            if self.cfg.model.moe is not None and self.cfg.train.compile == "auto" and self.mesh.device.type == "cuda":
+                return ("compile: auto runs MoE blocks eagerly (their token counts and all-to-all splits are "
+                        "data-dependent)")
             return None
         self.compiled.seconds = seconds
         return self.compiled.line()
