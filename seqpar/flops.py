@@ -83,10 +83,24 @@ def decoder_layer_forward_flops(*, B: int, s: int, h: int, heads: int, kv_heads:
     return qkv + 2 * B * s * h * h + mlp_flops + attention_core_forward_flops(B=B, s=s, h=h)
 
 
-def config_layer_forward_flops(cfg: GPTConfig, *, B: int) -> int:
-    """Forward FLOPs of one whole layer of ``cfg`` for ``B`` sequences (:func:`decoder_layer_forward_flops`)."""
-    return decoder_layer_forward_flops(B=B, s=cfg.seq_len, h=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
-                                       ffn_hidden=cfg.ffn_hidden, mlp=cfg.mlp)
+def config_layer_forward_flops(cfg: GPTConfig, *, B: int, layer: int = 0) -> int:
+    """Forward FLOPs of layer ``layer`` of ``cfg`` for ``B`` sequences (:func:`decoder_layer_forward_flops`;
+    an MoE layer's FFN counted by :func:`moe_ffn_forward_flops` instead of the dense MLP)."""
+    dense = decoder_layer_forward_flops(B=B, s=cfg.seq_len, h=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                                        ffn_hidden=cfg.ffn_hidden, mlp=cfg.mlp)
+    if cfg.moe is None or not cfg.moe.is_moe_layer(layer):
+        return dense
+    mlp = (6 if cfg.mlp == "swiglu" else 4) * B * cfg.seq_len * cfg.hidden * cfg.ffn_hidden
+    return dense - mlp + moe_ffn_forward_flops(cfg, B=B)
+
+
+def moe_ffn_forward_flops(cfg: GPTConfig, *, B: int) -> int:
+    """Forward FLOPs of one MoE FFN for ``B`` sequences: the router ``2 B s h E``, each token's ``k``
+    experts and the shared experts at their widths (SwiGLU ``6 B s h f``, GeLU ``4 B s h f`` each)."""
+    moe, tokens, h = cfg.moe, B * cfg.seq_len, cfg.hidden
+    f = moe.expert_ffn(cfg.ffn_hidden)
+    per_width = (6 if cfg.mlp == "swiglu" else 4) * tokens * h
+    return 2 * tokens * h * moe.experts + per_width * f * (moe.top_k + moe.shared_experts)
 
 
 def config_core_forward_flops(cfg: GPTConfig, *, B: int) -> int:
@@ -104,8 +118,8 @@ def config_model_flops(cfg: GPTConfig, *, B: int, t: int = 1) -> int:
     """Model FLOPs per iteration of ``cfg`` (forward + backward, no recompute) for ``B`` sequences
     of ``cfg.seq_len`` tokens: 3 x (L x layer forward + logits), the logits over the vocabulary
     padded for TP size ``t``. The whole model's: each of ``t`` ranks executes ``1/t`` of it."""
-    layer, _, logits = _config_parts(cfg, B, t)
-    return 3 * (cfg.layers * layer + logits)
+    _, _, logits = _config_parts(cfg, B, t)
+    return 3 * (sum(config_layer_forward_flops(cfg, B=B, layer=i) for i in range(cfg.layers)) + logits)
 
 
 def config_hardware_flops(cfg: GPTConfig, *, B: int, t: int = 1, recompute: Recompute | None = None) -> int:
@@ -120,14 +134,16 @@ def config_hardware_flops(cfg: GPTConfig, *, B: int, t: int = 1, recompute: Reco
     base = config_model_flops(cfg, B=B, t=t)
     modes = cfg.layer_recompute() if recompute is None else None  # model.recompute_layers
     if modes is not None:
-        return base + core * modes.count("selective") + layer * modes.count("full")
+        return base + core * modes.count("selective") + sum(
+            config_layer_forward_flops(cfg, B=B, layer=i) for i, m in enumerate(modes) if m == "full")
     if mode == "none":
         return base
     if mode == "selective":
         return base + cfg.layers * core
     if mode == "full":
         plan = full_recompute_plan(cfg.layers, cfg.recompute_method, cfg.recompute_num_layers)
-        return base + layer * sum(end - begin for begin, end, ckpt in plan if ckpt)
+        return base + sum(config_layer_forward_flops(cfg, B=B, layer=i)
+                          for begin, end, ckpt in plan if ckpt for i in range(begin, end))
     raise ValueError(f"unknown recompute mode {mode!r}; expected one of {RECOMPUTE_MODES}")
 
 

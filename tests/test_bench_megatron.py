@@ -76,6 +76,10 @@ def _compare(rank, world_size):
         second = peer.step(tokens, labels)
         out[mode] = (first, second, saved)
     out["changed"] = _changed(originals)  # after build, probe and steps: nothing left patched
+    # seqpar bench --moe: Megatron-core's MoELayer with seqpar's MoE weights computes the same (t = 1)
+    from seqpar.tools.bench.moe_bench import bench_rank
+    moe = bench_rank(rank, world_size, dict(seq=8, batch=2, hidden=16, ffn=16, experts=4, top_k=2), 1, 0)
+    out["moe"] = moe["output_diff"] < 1e-5 and moe["input_grad_diff"] < 1e-5
     return out
 
 
@@ -92,6 +96,7 @@ def test_megatron_matches_seqpar_losses_and_saves_less_with_selective(spawn):
         assert all(v > 0 for v in saved.values()), saved
         assert saved["selective"] < saved["none"], saved
     assert results[0]["changed"] == [], f"left patched after a Megatron run: {results[0]['changed']}"
+    assert results[0]["moe"], "Megatron-core's MoELayer disagrees with seqpar's MoE on the same weights"
     assert results[0] == results[1]  # losses and ledger identical on both TP ranks
 
 

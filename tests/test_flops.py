@@ -88,13 +88,14 @@ def _trainer_step_flops(cfg, micro_batch: int, accum: int, dp: int, tp: int) -> 
     return Trainer._throughput(fake).flops_per_step
 
 
-@pytest.mark.parametrize("name", ["tiny-cpu", "llama-tiny-cpu"])
+@pytest.mark.parametrize("name", ["tiny-cpu", "llama-tiny-cpu", "moe-tiny-cpu"])
 def test_trainer_model_flops_are_the_counted_flops_of_a_step(name):
     """Model FLOPs count one forward and one backward of every matmul, with no recomputation
     (what MFU is defined on): the model is built with ``recompute: none`` and FlopCounterMode
     counts its one forward + backward on one rank (t = 1: the whole model, the vocabulary padded as
     the Trainer pads it). The shipped configs' SwiGLU, grouped-query attention and ffn_hidden != 4h
-    (llama-tiny-cpu) must be in the Trainer's figure, not only GPT-2's 24h^2 per layer."""
+    (llama-tiny-cpu) must be in the Trainer's figure, not only GPT-2's 24h^2 per layer; an MoE
+    layer's router, k experts per token and dense first layer too (moe-tiny-cpu)."""
     from dataclasses import replace
 
     import torch
@@ -108,6 +109,9 @@ def test_trainer_model_flops_are_the_counted_flops_of_a_step(name):
     b = 2  # sequences of one micro-batch; the Trainer's step has micro_batch x accum x dp of them
     tokens = torch.randint(0, cfg.vocab_size, (b, cfg.seq_len), generator=torch.Generator().manual_seed(0))
     model = GPT(cfg, seed=0)
+    for block in model.blocks:  # FlopCounterMode has no formula for torch._grouped_mm: count the loop's GEMMs
+        if hasattr(block.mlp, "experts"):
+            block.mlp.experts.kernel = "loop"
     with FlopCounterMode(display=False) as counter:
         model(tokens, tokens).backward()
     counted = counter.get_total_flops()

@@ -60,8 +60,8 @@ def test_pipeline_training_equals_one_stage_and_resumes_at_another_pp(spawn, tmp
         assert r["t2p2"]["losses"] == res[0]["t2p2"]["losses"]
     got = res[0]
     # both step kinds went through the one recipe; stages reduce over dp inside the pipeline step
-    assert got["t2p2"]["recipe"] == ["tp/sp", "cp", "recompute", "overlap"]
-    assert ref["p1"]["recipe"] == ["tp/sp", "cp", "recompute", "overlap", "data parallel"]
+    assert got["t2p2"]["recipe"] == ["tp/sp", "cp", "ep", "recompute", "overlap"]
+    assert ref["p1"]["recipe"] == ["tp/sp", "cp", "ep", "recompute", "overlap", "data parallel"]
     assert got["t2p2"]["accum"] == 4 and len(got["t2p2"]["losses"]) == 6
     assert got["t2p2"]["losses"] == pytest.approx(ref["p1"]["losses"], abs=1e-5)
     assert got["t2p2"]["eval"] == pytest.approx(ref["p1"]["eval"], abs=1e-5)

@@ -84,6 +84,10 @@ VALID: dict[str, st.SearchStrategy] = {
     "parallel.tp": st.sampled_from([1, 2, 4]), "parallel.dp": st.none() | st.integers(1, 4096),
     "parallel.pp": st.just(1), "parallel.virtual_stages": st.just(1),  # m > 1 needs pp > 1 dividing L
     "parallel.cp": st.just(1),  # cp > 1 needs seq_len in 2*cp chunks and no attention dropout
+    "parallel.ep": st.just(1),  # ep > 1 needs model.moe and dp divisible by it
+    "model.moe": st.none() | st.fixed_dictionaries({"experts": st.just(8), "top_k": st.integers(1, 8)}, optional={
+        "router": st.sampled_from(["softmax", "sigmoid"]), "aux_loss_coeff": _floats(0.0, 1.0),
+        "capacity_factor": st.none() | _floats(0.5, 4.0), "every": st.integers(1, 4)}),
     "parallel.timeout_minutes": _floats(0.0, 1e6, exclude_min=True),
     "parallel.bucket_mib": _floats(0.0, 1e6, exclude_min=True),
     "parallel.data_parallel": st.sampled_from([None, "ddp", "fsdp"]),
@@ -137,6 +141,8 @@ def valid_values(draw) -> dict[str, Any]:
         values.pop("data.source", None)  # a blend or one source, not both
     if values.get("parallel.tp_overlap"):
         values["model.sequence_parallel"] = True  # the overlap is of SP's collectives
+    if values.get("model.moe") is not None and values.get("train.compile") is True:
+        values["train.compile"] = "auto"  # MoE blocks run eagerly
     if values.get("train.compile") is True:  # compiled blocks: no cp
         values["parallel.cp"] = 1
     modes = values.get("model.recompute_layers")
@@ -157,7 +163,7 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy] = {
     "model.attention_dropout": NEG | st.floats(min_value=1.0) | NONFINITE,
     "model.layernorm_eps": st.floats(max_value=0.0) | NONFINITE, "model.init_std": NEG | NONFINITE,
     "model.kv_heads": BELOW[1] | st.sampled_from([5, 7, 24]), "model.vocab_multiple": BELOW[1],  # heads = 12
-    **{f"parallel.{k}": BELOW[1] for k in ("tp", "dp", "virtual_stages", "cp")},
+    **{f"parallel.{k}": BELOW[1] for k in ("tp", "dp", "virtual_stages", "cp", "ep")},
     "parallel.pp": BELOW[1] | st.sampled_from([5, 7, 11]),  # the default 12 layers split into no such stages
     "parallel.timeout_minutes": st.floats(max_value=0.0) | NONFINITE,
     "parallel.bucket_mib": st.floats(max_value=0.0) | NONFINITE,

@@ -34,7 +34,8 @@ from .errors import CheckpointCorrupt, CheckpointMismatch
 
 # decide the parameters' shapes or what they compute: must be equal on resume
 MODEL_KEYS = ("vocab_size", "hidden", "heads", "kv_heads", "layers", "ffn_hidden", "activation", "tie_embeddings",
-              "layernorm_eps", "bias", "norm", "position", "rope_theta", "rope_scaling", "mlp")
+              "layernorm_eps", "bias", "norm", "position", "rope_theta", "rope_scaling", "mlp", "qk_norm",
+              "moe")  # the whole moe section, its loss coefficients included (a conservative choice)
 # how the same model runs (regularisation, memory, kernels, layout, storage precision): may change.
 # init_std only draws the weights a checkpoint overwrites; vocab_multiple pads rows checkpoints do not
 # store; dtype converts the saved values on load.

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..model.moe_sharding import expert_dense_shapes, expert_rows
 from ..model.vocab import VOCAB_PARAMS, true_dense_shapes
 from ..parallel.fsdp import shard_rows
 from ..sharding import ParamLayout, local_tensor, param_layouts
@@ -100,14 +101,16 @@ def model_parts(model: nn.Module, tensors: dict[str, torch.Tensor], *, prefix: s
     """``prefix + name`` -> the dense parts this rank holds of ``tensors[name]`` (parameters or
     AdamW moments keyed by parameter name; shaped and placed like the parameter). ``model``: a
     seqpar ``GPT`` or one pipeline stage of it (parameters under the GPT's names)."""
-    shapes = true_dense_shapes(model)
+    shapes = expert_dense_shapes(model, true_dense_shapes(model))
+    first_expert = expert_rows(model)  # experts split over ep: this rank's rows of the dense [E, ...]
     t, rank = model.tp_size, model.tp_rank
     out = {}
     for name, layout in param_layouts(model).items():
         if name not in tensors:
             continue
         full, local = tensors[name], local_tensor(tensors[name])
-        pieces = dense_pieces(local.detach(), layout, full.shape, rank, t, row_start=_fsdp_row_start(full, local),
+        row_start = _fsdp_row_start(full, local) + first_expert.get(name, 0)
+        pieces = dense_pieces(local.detach(), layout, full.shape, rank, t, row_start=row_start,
                               dense_rows=shapes[name][0] if name in VOCAB_PARAMS else None)
         out[prefix + name] = DenseParts(shapes[name], pieces)
     return out

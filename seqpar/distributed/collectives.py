@@ -143,6 +143,20 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group: ProcessGroup | None
         torch._foreach_copy_(xs, [f.view_as(x) for f, x in zip(flat.split([x.numel() for x in xs]), xs)])
 
 
+def all_to_all_rows(x: torch.Tensor, group: ProcessGroup | None, out_rows: list[int],
+                    in_rows: list[int]) -> torch.Tensor:
+    """All-to-all of ``x``'s dim-0 rows: ``in_rows[j]`` consecutive rows go to rank ``j``, and
+    ``out_rows[j]`` rows come from rank ``j`` (in rank order) into the result ``[sum(out_rows), ...]``.
+    Both split lists are host integers (the caller synchronised to get them)."""
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((sum(out_rows), *x.shape[1:]))
+    record("all_to_all", x, group)
+    dist.all_to_all_single(out, x, output_split_sizes=out_rows, input_split_sizes=in_rows, group=group)
+    return out
+
+
 def all_gather_dim0(x: torch.Tensor, group: ProcessGroup | None, *, out: torch.Tensor | None = None,
                     async_op: bool = False):
     """All-gather ``x`` ``[n, ...]`` into ``[t*n, ...]`` (rank order). Returns ``(out, handle)``."""

@@ -53,7 +53,7 @@ class CommCounter:
         reduce-scatter's full tensor, ``2(t-1)/t`` of an all-reduce's (a reduce-scatter then an
         all-gather), and all of a point-to-point send's (``send_recv``, counted at the sender)."""
         factor = {"all_gather": (t - 1) / t, "reduce_scatter": (t - 1) / t, "all_reduce": 2.0 * (t - 1) / t,
-                  "send_recv": 1.0}
+                  "send_recv": 1.0, "all_to_all": (t - 1) / t}  # all-to-all: evenly routed tokens
         return sum(factor[k] * n for k, n in self.bytes.items())
 
 

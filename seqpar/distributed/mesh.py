@@ -9,6 +9,7 @@ each rank holds ``s/cp`` of every sequence) the next dimension out, and a pipeli
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -47,6 +48,21 @@ class ParallelMesh:
     cp_size: int = 1
     cp_rank: int = 0
     cp_group: dist.ProcessGroup | None = None
+    # expert parallelism, carved from dp x cp: dp rank x cp + cp rank = edp_rank * ep + ep_rank (expert_parallel())
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: dist.ProcessGroup | None = None    # the ranks whose experts together make all experts
+    edp_group: dist.ProcessGroup | None = None   # the ranks holding the same experts (dp / ep of them)
+
+    @property
+    def edp_size(self) -> int:
+        """Expert-data-parallel size: dp x cp / ep ranks hold the same experts."""
+        return self.dp_size * self.cp_size // self.ep_size
+
+    @property
+    def expert_dp_group(self) -> dist.ProcessGroup | None:
+        """The group that reduces expert gradients: ``edp_group`` under ep > 1, else dp's."""
+        return self.edp_group if self.ep_size > 1 else self.dp_group
 
     @property
     def dp_mesh(self):
@@ -104,6 +120,7 @@ class ParallelMesh:
     def __repr__(self) -> str:
         pp = f"pp={self.pp_rank}/{self.pp_size}, " if self.pp_size > 1 else ""
         pp += f"cp={self.cp_rank}/{self.cp_size}, " if self.cp_size > 1 else ""
+        pp += f"ep={self.ep_rank}/{self.ep_size}, " if self.ep_size > 1 else ""
         return (f"ParallelMesh(rank={self.rank}/{self.world_size}, {pp}tp={self.tp_rank}/{self.tp_size}, "
                 f"dp={self.dp_rank}/{self.dp_size}, device={self.device})")
 
@@ -281,6 +298,35 @@ def init_parallel(tp: int = 1, dp: int | None = None, *, pp: int = 1, cp: int = 
 
     mesh = init_device_mesh(device.type, (pp, dp, cp, tp), mesh_dim_names=("pp", "dp", "cp", "tp"))
     return _parallel_mesh(mesh, world_size, device)
+
+
+def expert_parallel(mesh: ParallelMesh, ep: int) -> ParallelMesh:
+    """``mesh`` with an ``ep`` dimension carved from dp x cp: the rank at dp rank ``d`` and cp rank
+    ``c`` has data index ``i = d cp + c`` and is expert-parallel rank ``i % ep`` of
+    expert-data-parallel rank ``i // ep`` (the ep ranks of a group are neighbours, CP ranks first).
+    Builds every rank's ep and edp groups (``new_group`` is collective: every rank calls this, with
+    the same ``ep``)."""
+    if ep == mesh.ep_size:
+        return mesh
+    dp, cp, tp = mesh.dp_size, mesh.cp_size, mesh.tp_size
+    if (dp * cp) % ep:
+        raise UserError(f"parallel.ep={ep} must divide dp x cp = {dp} x {cp} = {dp * cp}")
+    from .collectives import new_group
+    data, edp = dp * cp, dp * cp // ep
+    mine: dict[str, dist.ProcessGroup | None] = {"ep": None, "edp": None}
+    for pp in range(mesh.pp_size):
+        for t in range(tp):
+            rank = lambda i: (pp * data + i) * tp + t  # noqa: E731 - data index i = dp rank x cp + cp rank
+            for e in range(edp):
+                ranks = [rank(e * ep + j) for j in range(ep)]
+                group = new_group(ranks)
+                mine["ep"] = group if mesh.rank in ranks else mine["ep"]
+            for j in range(ep):
+                ranks = [rank(e * ep + j) for e in range(edp)]
+                group = new_group(ranks) if edp > 1 else None
+                mine["edp"] = group if mesh.rank in ranks else mine["edp"]
+    index = mesh.dp_rank * cp + mesh.cp_rank
+    return dataclasses.replace(mesh, ep_size=ep, ep_rank=index % ep, ep_group=mine["ep"], edp_group=mine["edp"])
 
 
 def destroy_parallel() -> None:

@@ -32,7 +32,8 @@ EXPORT_FILES = ("config.json", "config.yaml", "model.safetensors", "tokenizer.js
 
 
 def family_of(config: GPTConfig) -> str:
-    """``"gpt2"`` or ``"llama"``; a :class:`UserError` naming the fields of a mix neither family has."""
+    """``"gpt2"``, ``"llama"``, or for an MoE model ``"qwen3_moe"`` (with QK-norm) or ``"mixtral"``; a
+    :class:`UserError` naming the fields of a mix no family has."""
     gpt2 = dict(norm="layernorm", position="learned", mlp="gelu", bias=True, kv_heads=None)
     llama = dict(norm="rmsnorm", position="rope", mlp="swiglu")
     values = {k: getattr(config, k) for k in gpt2}
@@ -41,6 +42,8 @@ def family_of(config: GPTConfig) -> str:
     if all(values[k] == v for k, v in gpt2.items()):
         return "gpt2"
     if all(values[k] == v for k, v in llama.items()):
+        if config.moe is not None:
+            return "qwen3_moe" if config.qk_norm else "mixtral"
         return "llama"
     raise UserError(f"no Hugging Face family has this model: {values} (GPT-2 needs {gpt2}; Llama needs {llama})")
 
@@ -48,10 +51,19 @@ def family_of(config: GPTConfig) -> str:
 def hf_stream(config: GPTConfig, load: Loader) -> Iterator[tuple[str, torch.Tensor]]:
     """``(Hugging Face name, tensor)`` for every tensor of the HF state dict (tied weights once),
     calling ``load(dense_name)`` once per seqpar dense tensor, in a fixed order."""
-    if family_of(config) == "llama":
+    family = family_of(config)
+    if family == "llama":
         from .llama import hf_tensors
 
         yield from hf_tensors(config, load)
+        return
+    if family in ("mixtral", "qwen3_moe"):
+        from .moe_hf import hf_names
+
+        for ours, parts in hf_names(config).items():
+            w = load(ours)
+            for theirs, r0, rows in parts:
+                yield theirs, (w if rows is None else w.narrow(0, r0, rows))
         return
     from .gpt2 import _names
 
@@ -64,9 +76,11 @@ def hf_config(config: GPTConfig, shapes: dict[str, torch.Size], **hf_kwargs):
     """The ``transformers`` config object of ``config``: ``to_hf`` run on the meta device, so its
     name and value mapping is the one used, without allocating the model (``hf_kwargs``: to the
     config, e.g. the special token ids)."""
-    from . import gpt2 as interop_gpt2, llama as interop_llama
+    from . import gpt2 as interop_gpt2, llama as interop_llama, moe_hf
 
-    to_hf = interop_llama.to_hf if family_of(config) == "llama" else interop_gpt2.to_hf
+    family = family_of(config)
+    to_hf = {"llama": interop_llama.to_hf, "gpt2": interop_gpt2.to_hf}.get(
+        family, lambda c, d, **kw: moe_hf.to_hf(c, d, family, **kw))
     with torch.device("meta"):
         model = to_hf(config, {k: torch.empty(s, dtype=config.torch_dtype) for k, s in shapes.items()}, **hf_kwargs)
     model.config.architectures = [type(model).__name__]

@@ -28,22 +28,22 @@ from .hf_tokens import imported_origin
 # parallelism, ...) comes from --config and the overrides
 ARCHITECTURE = ("vocab_size", "seq_len", "hidden", "heads", "layers", "ffn_hidden", "kv_heads", "dropout",
                 "attention_dropout", "activation", "tie_embeddings", "layernorm_eps", "bias", "init_std", "norm",
-                "position", "rope_theta", "rope_scaling", "mlp", "dtype")
+                "position", "rope_theta", "rope_scaling", "mlp", "dtype", "qk_norm", "moe")
 
 
 def _load_hf(hf_dir: Path, dtype: str):
     """The local model (``transformers`` Auto classes, no download) and its seqpar interop module."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from . import gpt2 as interop_gpt2, llama as interop_llama
+    from . import gpt2 as interop_gpt2, llama as interop_llama, moe_hf
 
     if not (hf_dir / "config.json").is_file():
         raise UserError(f"{hf_dir} is not a Hugging Face model folder (no config.json)")
     try:
         kind = AutoConfig.from_pretrained(hf_dir, local_files_only=True).model_type
-        interop = {"llama": interop_llama, "gpt2": interop_gpt2}.get(kind)
+        interop = {"llama": interop_llama, "gpt2": interop_gpt2, "mixtral": moe_hf, "qwen3_moe": moe_hf}.get(kind)
         if interop is None:
-            raise UserError(f"{hf_dir}: model_type {kind!r} is not supported (gpt2 or llama)")
+            raise UserError(f"{hf_dir}: model_type {kind!r} is not supported (gpt2, llama, mixtral or qwen3_moe)")
         model = AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True, dtype=getattr(torch, dtype))
     except (OSError, ValueError) as e:  # transformers' errors for a folder it cannot load
         if isinstance(e, UserError):

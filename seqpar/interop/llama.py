@@ -105,12 +105,18 @@ def _rope_of(c) -> tuple[float, RopeScaling | None, list[str]]:
     return theta, RopeScaling(**{k: params[k] for k in fields}), []
 
 
-def from_hf(hf_model: nn.Module, **overrides) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
-    """``(GPTConfig, dense_state_dict)`` of a ``transformers`` Llama model. ``overrides`` set other
-    :class:`GPTConfig` fields (``sequence_parallel``, ``recompute``, ``seq_len`` ...). Load the
-    result with ``GPT(config, mesh).load_dense_state_dict(state)`` at any TP size dividing the
-    heads, key/value heads and widths (the vocabulary is padded inside the model)."""
-    c = hf_model.config
+def hf_state(hf_model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of a ``...ForCausalLM`` or bare ``...Model`` (keys under ``model.``), detached."""
+    sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    if not any(k.startswith("model.") for k in sd):  # a bare LlamaModel
+        sd = {f"model.{k}": v for k, v in sd.items()}
+    return sd
+
+
+def config_from_hf(c, sd: dict[str, torch.Tensor], **overrides) -> GPTConfig:
+    """The :class:`GPTConfig` of a Llama-family Hugging Face config ``c`` (its state dict ``sd``
+    tells tied embeddings and the dtype); ``overrides`` set other fields. Refuses what seqpar's
+    GPT cannot express, naming the options."""
     d = c.hidden_size // c.num_attention_heads
     theta, scaling, unsupported = _rope_of(c)
     if c.hidden_act != "silu":
@@ -123,9 +129,6 @@ def from_hf(hf_model: nn.Module, **overrides) -> tuple[GPTConfig, dict[str, torc
         unsupported.append(f"pretraining_tp={c.pretraining_tp}")
     if unsupported:
         raise UserError(f"from_hf: seqpar's GPT has no equivalent of Llama option(s) {unsupported}")
-    sd = {k: v.detach() for k, v in hf_model.state_dict().items()}
-    if not any(k.startswith("model.") for k in sd):  # a bare LlamaModel
-        sd = {f"model.{k}": v for k, v in sd.items()}
     tied = bool(getattr(c, "tie_word_embeddings", False)) or "lm_head.weight" not in sd
     dtype = next(name for name, dt in DTYPES.items() if dt == sd["model.embed_tokens.weight"].dtype)
     fields = dict(vocab_size=c.vocab_size, seq_len=c.max_position_embeddings, hidden=c.hidden_size,
@@ -138,11 +141,26 @@ def from_hf(hf_model: nn.Module, **overrides) -> tuple[GPTConfig, dict[str, torc
     fields.update(overrides)
     config = GPTConfig(**fields)
     check_llama(config)
+    return config
+
+
+def from_hf(hf_model: nn.Module, **overrides) -> tuple[GPTConfig, dict[str, torch.Tensor]]:
+    """``(GPTConfig, dense_state_dict)`` of a ``transformers`` Llama model. ``overrides`` set other
+    :class:`GPTConfig` fields (``sequence_parallel``, ``recompute``, ``seq_len`` ...). Load the
+    result with ``GPT(config, mesh).load_dense_state_dict(state)`` at any TP size dividing the
+    heads, key/value heads and widths (the vocabulary is padded inside the model)."""
+    sd = hf_state(hf_model)
+    config = config_from_hf(hf_model.config, sd, **overrides)
+    return config, gather_state(hf_names(config), sd)
+
+
+def gather_state(names: Entries, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """seqpar's dense tensors from a Hugging Face state dict ``sd``, fused ones concatenated."""
     state = {}
-    for ours, parts in hf_names(config).items():
+    for ours, parts in names.items():
         tensors = [sd[theirs] for theirs, _, _ in parts]
         state[ours] = torch.cat(tensors) if len(tensors) > 1 else tensors[0].clone()
-    return config, state
+    return state
 
 
 def to_hf(config: GPTConfig, dense_state_dict: dict[str, torch.Tensor], **hf_kwargs):
@@ -166,4 +184,5 @@ def to_hf(config: GPTConfig, dense_state_dict: dict[str, torch.Tensor], **hf_kwa
     return model
 
 
-__all__ = ["from_hf", "to_hf", "hf_config", "hf_names", "hf_tensors", "check_llama"]
+__all__ = ["from_hf", "to_hf", "hf_config", "hf_names", "hf_tensors", "check_llama", "config_from_hf", "gather_state",
+           "hf_state"]

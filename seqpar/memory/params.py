@@ -28,13 +28,29 @@ def norm_params(model: GPTConfig) -> int:
     return model.hidden * (2 if (model.norm == "layernorm" and model.bias) else 1)
 
 
-def layer_params(model: GPTConfig, t: int) -> int:
-    """Parameters of one transformer layer held by one TP rank."""
+def layer_params(model: GPTConfig, t: int, *, layer: int = 0, ep: int = 1) -> int:
+    """Parameters of transformer layer ``layer`` held by one TP rank (of ``ep`` expert-parallel
+    ranks): an MoE layer holds, instead of the MLP, the router ``E h`` (with the sigmoid router's
+    bias ``E``), its ``E/ep`` experts whole (replicated over TP) and the shared experts split ``t`` ways."""
     h, f = model.hidden, model.ffn_hidden
     qkv, fc1 = qkv_width(model, t), fc1_width(model)
-    weights = (h * qkv + h * h + h * fc1 + f * h) // t
-    biases = (qkv + fc1) // t + 2 * h if model.bias else 0  # column biases split, row biases whole
-    return weights + biases + 2 * norm_params(model)
+    moe = model.moe is not None and model.moe.is_moe_layer(layer)
+    mlp = 0 if moe else h * fc1 + f * h
+    weights = (h * qkv + h * h + mlp) // t
+    biases = (qkv + (0 if moe else fc1)) // t + (1 if moe else 2) * h if model.bias else 0  # column split, row whole
+    norms = 2 * norm_params(model) + (2 * model.head_dim if model.qk_norm else 0)
+    return weights + biases + norms + (moe_ffn_params(model, t, ep) if moe else 0)
+
+
+def moe_ffn_params(model: GPTConfig, t: int, ep: int = 1) -> int:
+    """Parameters of one MoE FFN on one rank: router, this ep rank's experts, shared experts."""
+    moe, h = model.moe, model.hidden
+    f = moe.expert_ffn(model.ffn_hidden)
+    gated = 2 if model.mlp == "swiglu" else 1
+    router = moe.experts * h + (moe.experts if moe.router == "sigmoid" else 0)
+    experts = moe.experts // ep * (gated + 1) * f * h // (t if moe.expert_tp else 1)  # expert-TP: f/t each
+    shared = moe.shared_experts * f * (gated + 1) * h // t
+    return router + experts + shared
 
 
 def root_params(model: GPTConfig, t: int, *, first: bool = True, last: bool = True, pp: int = 1) -> int:
@@ -49,11 +65,12 @@ def root_params(model: GPTConfig, t: int, *, first: bool = True, last: bool = Tr
     return n
 
 
-def stage_params(model: GPTConfig, *, t: int, pp: int = 1, stage: int = 0) -> int:
+def stage_params(model: GPTConfig, *, t: int, pp: int = 1, stage: int = 0, ep: int = 1) -> int:
     """Parameters held by one GPU of pipeline stage ``stage`` (0 = first) of ``pp``, before any
     dp sharding: its ``L/pp`` layers plus the ends of the model it holds."""
-    layers = layer_params(model, t) * model.layers // pp
+    per = model.layers // pp
+    layers = sum(layer_params(model, t, layer=i, ep=ep) for i in range(stage * per, (stage + 1) * per))
     return layers + root_params(model, t, first=stage == 0, last=stage == pp - 1, pp=pp)
 
 
-__all__ = ["fc1_width", "layer_params", "norm_params", "qkv_width", "root_params", "stage_params"]
+__all__ = ["fc1_width", "layer_params", "moe_ffn_params", "norm_params", "qkv_width", "root_params", "stage_params"]

@@ -33,6 +33,7 @@ from ..model.config import GPTConfig
 from ..model.modes import resolve_attention
 from ..recompute import full_recompute_plan
 from .formulas import _SCORE_TERMS, _sbh_terms, outside_layer_terms
+from .moe import moe_ffn_terms
 
 
 # PyTorch's order of preference among the CUDA kernels of ``scaled_dot_product_attention`` (its default
@@ -111,13 +112,15 @@ def _output_copy(cfg: GPTConfig, *, sbh: Fraction, b: int, t: int, act: int, dev
 
 
 def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: bool,
-                device: str = "cuda", cp: int = 1) -> dict[str, Fraction]:
+                device: str = "cuda", cp: int = 1, moe: bool = False) -> dict[str, Fraction]:
     """One layer's kept tensors in bytes as this config runs it on ``device``: Table 2's terms
     (:func:`seqpar.memory.formulas.activation_breakdown`'s names) at ``act``-byte activations, the
     dropout masks (1 byte) only with dropout; without selective recompute, what the attention
     kernel (:func:`attention_kernel`) keeps: for math the ``[b, a, s, s]`` terms (the softmax-dropout
     ones only with attention dropout). ``cp > 1``: ``s`` is one CP rank's tokens and the core is
-    the context-parallel kernel's (Table 2's selective terms and the log-sum-exp, in any mode)."""
+    the context-parallel kernel's (Table 2's selective terms and the log-sum-exp, in any mode).
+    ``moe``: an MoE layer, whose FFN keeps :func:`seqpar.memory.moe.moe_ffn_terms` instead of the
+    MLP's fc1 input, activation input and fc2 input."""
     sbh, scores = Fraction(s * b * cfg.hidden), Fraction(cfg.heads * s * s * b)
     rep = t if cfg.sequence_parallel else 1  # the terms plain TP leaves replicated: SP splits them too
     u = Fraction(act, 2)  # Table 2 counts 2-byte activations
@@ -128,6 +131,10 @@ def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: 
                 terms[name] = k * sbh / rep
         else:
             terms[name] = k * sbh * u / (t if shard == "tp" else rep)
+    if moe:
+        for name in ("fc1_input", "gelu_input", "swiglu_gate_up", "fc2_input"):
+            terms.pop(name, None)
+        terms.update(moe_ffn_terms(cfg, s=s, b=b, t=t, act=act, device=device))
     if cp > 1:  # fp32 log-sum-exp [b, a/t, s/cp]; no s x s term in any mode
         terms["attention_logsumexp"] = 4 * cfg.heads * (sbh / cfg.hidden) / t
     elif not selective:
@@ -148,13 +155,13 @@ def outside_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, in_flight
 
 
 def layer_bytes(cfg: GPTConfig, mode: str, *, s: int, b: int, t: int, act: int, device: str = "cuda",
-                cp: int = 1) -> Fraction:
+                cp: int = 1, moe: bool = False) -> Fraction:
     """Bytes one layer of ``cfg`` keeps for one micro-batch under recompute ``mode`` on ``device``;
     ``full``: the input of a checkpointed unit (one per unit, however many layers it holds).
     ``cp``: context parallelism, ``s`` being one CP rank's tokens."""
     if mode == "full":
         return Fraction(s * b * cfg.hidden * act, t if cfg.sequence_parallel else 1)
-    terms = layer_terms(cfg, s=s, b=b, t=t, act=act, selective=mode == "selective", device=device, cp=cp)
+    terms = layer_terms(cfg, s=s, b=b, t=t, act=act, selective=mode == "selective", device=device, cp=cp, moe=moe)
     return sum(terms.values(), Fraction(0))
 
 
@@ -166,16 +173,17 @@ def model_activation_bytes(cfg: GPTConfig, *, t: int, micro_batch: int, activati
     1 byte). ``cp``: per CP rank under context parallelism (``s/cp`` tokens of each sequence)."""
     dims = dict(s=(seq_len or cfg.seq_len) // cp, b=micro_batch, t=t, act=activation_bytes)
     per = dict(dims, device=device, cp=cp)
+    moe = [cfg.moe is not None and cfg.moe.is_moe_layer(i) for i in range(cfg.layers)]
     modes = cfg.layer_recompute()  # model.recompute_layers: one mode per layer, each full layer its own unit
     if modes is not None:
-        layers = sum(layer_bytes(cfg, m, **per) for m in modes)
+        layers = sum(layer_bytes(cfg, m, **per, moe=e) for m, e in zip(modes, moe))
     elif cfg.recompute == "full":
         runs = full_recompute_plan(cfg.layers, cfg.recompute_method, cfg.recompute_num_layers)
-        kept = sum(end - begin for begin, end, ckpt in runs if not ckpt)
         units = sum(1 for *_, ckpt in runs if ckpt)
-        layers = units * layer_bytes(cfg, "full", **per) + kept * layer_bytes(cfg, "none", **per)
+        layers = units * layer_bytes(cfg, "full", **per) + sum(
+            layer_bytes(cfg, "none", **per, moe=moe[i]) for begin, end, ckpt in runs if not ckpt for i in range(begin, end))
     else:
-        layers = cfg.layers * layer_bytes(cfg, cfg.recompute, **per)
+        layers = sum(layer_bytes(cfg, cfg.recompute, **per, moe=e) for e in moe)
     outside = sum(outside_terms(cfg, **dims).values())
     return {"layers": round(layers), "outside_layers": round(outside), "total": round(layers + outside)}
 

@@ -24,6 +24,7 @@ from ..distributed.rng import RNGStreams
 from ..layers import ColumnParallelLinear, RowParallelLinear
 from ..recompute import checkpoint, replayable_sdpa, stream_sdpa
 from .config import GPTConfig
+from .qk_norm import QKNorm
 from .context_attention import context_attention
 from .modes import resolve_attention
 from .rope import RopeTables, RotaryEmbedding
@@ -139,12 +140,15 @@ class SelfAttention(nn.Module):
                                         groups=groups)
         self.cp = cp if cp is not None and cp.size > 1 else None
         self.rope = None if rope is None else RotaryEmbedding(rope, a // t, kv_local, d, self.cp)
+        self.qk_norm = QKNorm(a // t, kv_local, d, config.layernorm_eps, dt, t) if config.qk_norm else None
         self.core = CoreAttention(config, streams)
         self.proj = RowParallelLinear(h, h, bias=config.bias, tp_group=tp_group, sequence_parallel=sp, dtype=dt,
                                       init_method=lambda w: nn.init.normal_(w, 0.0, out_std))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)                                   # [s, b, (a+2g)/t * d] = [q_r | k_r | v_r]
+        if self.qk_norm is not None:
+            qkv = self.qk_norm(qkv)                         # Qwen3: q and k heads normalised before RoPE
         if self.rope is not None:
             qkv = self.rope(qkv)                            # a new buffer; the unrotated one is freed
         s, b = qkv.shape[:2]

@@ -87,6 +87,84 @@ class RopeScaling:
                             f"({self.low_freq_factor})")
 
 
+ROUTERS = ("softmax", "sigmoid")
+
+
+@dataclass
+class MoEConfig(Freezable):
+    """The ``model.moe`` section (off when ``GPTConfig.moe`` is None). Layer ``i`` is an MoE layer
+    when ``i >= first_dense`` and ``(i + 1) % every == 0`` (Qwen3-MoE's ``decoder_sparse_step``).
+    A router over ``experts`` experts picks ``top_k`` per token, in fp32. Experts use the model's
+    MLP kind (SwiGLU for ``mlp="swiglu"``, else GeLU), without biases."""
+
+    experts: int = 8               # E routed experts per MoE layer
+    top_k: int = 2                 # k experts per token
+    ffn_hidden: int | None = None  # each expert's width f_e; None: the model's ffn_hidden
+    shared_experts: int = 0        # always-on experts (DeepSeek-V3), one MLP of width shared_experts x f_e
+    every: int = 1                 # layer i is MoE when (i + 1) % every == 0 ...
+    first_dense: int = 0           # ... and i >= first_dense (DeepSeek-V3: the first 3 layers dense)
+    # softmax: top-k of softmax(logits) (Mixtral, Qwen3-MoE); sigmoid: top-k of sigmoid(logits) +
+    # bias, the bias moved after each step towards balanced load (DeepSeek-V3's aux-loss-free balancing)
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk: bool = True         # the k routing weights divided by their sum
+    route_scale: float = 1.0       # routing weights multiplied by this (DeepSeek-V3: 2.5)
+    aux_loss_coeff: float = 0.0    # load-balancing loss E/k * sum_e f_e P_e, over each micro-batch
+    z_loss_coeff: float = 0.0      # router z-loss: mean over tokens of logsumexp(logits)^2
+    bias_update_rate: float = 0.0  # sigmoid router: bias_e += rate * sign(mean load - load_e) per step
+    # None: dropless; else each expert takes at most ceil(capacity_factor * tokens * k / E) of a
+    # micro-batch's assignments (earliest tokens first), the rest dropped and counted
+    capacity_factor: float | None = None
+    # split each expert's width over the TP ranks (expert-TP = t: tokens all-gathered over TP into the
+    # experts, outputs reduce-scattered back) instead of every TP rank holding whole experts (expert-TP = 1)
+    expert_tp: bool = False
+    # recompute each expert's fc1 and activation in backward instead of keeping the activation's input
+    # (2 m f bytes per routed row in bf16 for SwiGLU saved, one fc1 GEMM per routed row recomputed)
+    recompute_experts: bool = False
+
+    def validate(self) -> None:
+        for name in ("experts", "top_k", "every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise UserError(f"MoEConfig.{name} must be a positive integer, got {v!r}")
+        for name in ("shared_experts", "first_dense"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise UserError(f"MoEConfig.{name} must be an integer >= 0, got {v!r}")
+        if self.ffn_hidden is not None and (not isinstance(self.ffn_hidden, int) or self.ffn_hidden < 1):
+            raise UserError(f"MoEConfig.ffn_hidden must be a positive integer or null, got {self.ffn_hidden!r}")
+        if self.top_k > self.experts:
+            raise UserError(f"MoEConfig.top_k ({self.top_k}) exceeds experts ({self.experts})")
+        if self.router not in ROUTERS:
+            raise UserError(f"MoEConfig.router must be one of {ROUTERS}, got {self.router!r}")
+        for name in ("aux_loss_coeff", "z_loss_coeff", "bias_update_rate"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+                raise UserError(f"MoEConfig.{name} must be a finite number >= 0, got {v!r}")
+        if not (isinstance(self.route_scale, (int, float)) and math.isfinite(self.route_scale) and self.route_scale > 0):
+            raise UserError(f"MoEConfig.route_scale must be a finite number > 0, got {self.route_scale!r}")
+        if self.bias_update_rate > 0 and self.router != "sigmoid":
+            raise UserError(f"MoEConfig.bias_update_rate={self.bias_update_rate} balances the sigmoid router; "
+                            f"router is {self.router!r}")
+        cf = self.capacity_factor
+        if cf is not None and not (isinstance(cf, (int, float)) and math.isfinite(cf) and cf > 0):
+            raise UserError(f"MoEConfig.capacity_factor must be a finite number > 0 or null, got {cf!r}")
+        if cf is not None and self.expert_tp:
+            raise UserError(f"MoEConfig.capacity_factor={cf} with expert_tp=true is not supported yet")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether transformer layer ``i`` (0-based) has an MoE FFN."""
+        return i >= self.first_dense and (i + 1) % self.every == 0
+
+    def expert_ffn(self, model_ffn: int) -> int:
+        """f_e: each expert's width (``ffn_hidden``, else the model's)."""
+        return self.ffn_hidden or model_ffn
+
+    def check_experts_parallel(self, ep: int) -> None:
+        """The experts split evenly over ``ep`` expert-parallel ranks."""
+        if self.experts % ep:
+            raise UserError(f"model.moe.experts ({self.experts}) is not divisible by parallel.ep={ep}")
+
+
 def swiglu_ffn(hidden: int) -> int:
     """Llama's SwiGLU width for ``hidden``: 8h/3 rounded up to a multiple of 256 (4096 -> 11008)."""
     return 256 * math.ceil(8 * hidden / 3 / 256)
@@ -127,6 +205,8 @@ class GPTConfig(Freezable):
     recompute_layers: tuple[RecomputeMode, ...] | None = None
     attention: AttentionMode = "math"  # sdpa: PyTorch's fused kernels
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # parameter/activation dtype
+    qk_norm: bool = False          # Qwen3: RMSNorm over each q and k head before RoPE (needs g >= t)
+    moe: MoEConfig | None = None  # mixture-of-experts FFNs (seqpar.model.moe_config); None: dense MLPs
 
     def __post_init__(self) -> None:
         if self.ffn_hidden is None and isinstance(self.hidden, int):
@@ -184,6 +264,8 @@ class GPTConfig(Freezable):
                             f"({self.layers})")
         self._validate_recompute_layers()
         self._validate_llama_options()
+        if self.moe is not None:
+            self.moe.validate()
 
     def _validate_recompute_layers(self) -> None:
         modes = self.recompute_layers
@@ -231,11 +313,17 @@ class GPTConfig(Freezable):
         self.validate()
         bad = [f"{name} ({getattr(self, name)})" for name in ("heads", "hidden", "ffn_hidden")
                if getattr(self, name) % t]
+        moe = self.moe
+        if moe is not None and (moe.shared_experts or moe.expert_tp) and moe.expert_ffn(self.ffn_hidden) % t:
+            bad.append(f"moe.ffn_hidden ({moe.expert_ffn(self.ffn_hidden)}, the shared or expert-TP experts' width)")
         if self.sequence_parallel and self.seq_len % t:
             bad.append(f"seq_len ({self.seq_len}, sequence parallelism)")
         if bad:
             raise UserError(f"GPTConfig: not divisible by the tensor-parallel size t={t}: {', '.join(bad)}")
         g = self.kv_heads
+        if self.qk_norm and self.num_kv_heads < t:
+            raise UserError(f"GPTConfig.qk_norm with kv_heads ({self.num_kv_heads}) < t={t} is not supported: each "
+                            f"key head would be replicated and its norm's gradient counted t/kv_heads times")
         if g is not None and g % t and t % g:  # g < t: each head replicated over the t/g ranks using it
             raise UserError(f"GPTConfig: kv_heads ({g}; heads={self.heads}) and the tensor-parallel size t={t}: "
                             f"t must divide kv_heads (each rank holds kv_heads/t heads) or be a multiple of it "

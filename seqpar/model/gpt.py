@@ -29,6 +29,8 @@ from .attention import SelfAttention
 from .config import GPTConfig
 from .context import build_context, context_mean_loss, position_rows, split_batch, stream_rank
 from .mlp import MLP
+from .moe import LossGradScale, MoE, capture_loss_grad
+from .moe_sharding import expert_dense_shapes, gather_experts, slice_experts
 from .norm import make_norm
 from .rope import RopeTables
 from .vocab import check_token_ids, mask_padded_logits, pad_rows, padded_normal_init, trim_rows, true_dense_shapes
@@ -55,7 +57,8 @@ class Block(nn.Module):
     ``ln1``/``ln2`` are LayerNorms or RMSNorms (``config.norm``)."""
 
     def __init__(self, config: GPTConfig, tp_group, streams: RNGStreams, layer_std: tuple[float, float],
-                 rope: RopeTables | None = None, cp: ContextParallel | None = None):
+                 rope: RopeTables | None = None, cp: ContextParallel | None = None, ffn: nn.Module | None = None):
+        """``ffn``: the layer's FFN when it is not the dense MLP (an MoE layer's)."""
         super().__init__()
         h, dt, eps = config.hidden, config.torch_dtype, config.layernorm_eps
         stream = "tp" if config.sequence_parallel else "replicated"  # SP: each rank holds other tokens
@@ -63,7 +66,7 @@ class Block(nn.Module):
         self.attn = SelfAttention(config, tp_group, streams, layer_std, rope, cp)
         self.attn_dropout = Dropout(config.dropout, streams, stream)
         self.ln2 = make_norm(config.norm, h, eps, dt)
-        self.mlp = MLP(config, tp_group, layer_std)
+        self.mlp = MLP(config, tp_group, layer_std) if ffn is None else ffn
         self.mlp_dropout = Dropout(config.dropout, streams, stream)
         if config.sequence_parallel and group_size(tp_group) > 1:
             mark_sp_replicated(self.ln1)
@@ -115,10 +118,13 @@ class GPT(nn.Module):
         t = mesh.tp_size
         config.check_parallel(t)  # before any collective, on every rank
         check_group(mesh.tp_group, "GPT")
+        if mesh.ep_size > 1 and config.moe is None:
+            raise UserError(f"parallel.ep={mesh.ep_size} splits experts, but the model has none (set model.moe)")
         self.cp = build_context(config, mesh, cp_comm)
         config = dataclasses.replace(config)  # the model's own copy: set_recompute never edits the caller's
         self.config, self.mesh = config, mesh
         self.tp_group, self.tp_size, self.tp_rank = mesh.tp_group, t, group_rank(mesh.tp_group)
+        self.moe_scale = LossGradScale() if config.moe is not None else None  # the loss's gradient, for aux losses
         self.rng = RNGStreams(seed, tp_rank=stream_rank(mesh), device=mesh.device)
         h, dt, sp, std = config.hidden, config.torch_dtype, config.sequence_parallel, config.init_std
         layer_std = (std, std / math.sqrt(2 * config.layers))
@@ -160,7 +166,9 @@ class GPT(nn.Module):
         if build is not None and i not in build:
             return NotBuilt(i)
         torch.default_generator.manual_seed(layer_seed(seed, i))
-        return Block(self.config, self.tp_group, self.rng, layer_std, rope, self.cp)
+        moe = self.config.moe
+        ffn = MoE(self.config, self.mesh, layer_std, self.moe_scale) if moe and moe.is_moe_layer(i) else None
+        return Block(self.config, self.tp_group, self.rng, layer_std, rope, self.cp, ffn)
 
     def _apply(self, fn, recurse: bool = True):
         """``.to()`` / ``.cuda()`` / ``.half()`` ...: the dropout streams follow the parameters' device."""
@@ -217,21 +225,26 @@ class GPT(nn.Module):
         if labels is None:  # padded columns -inf: sampling and argmax never pick them
             return mask_padded_logits(logits, v, self.vocab_start).transpose(0, 1)  # [b, s, v_pad/t]
         if self.cp.size == 1:
-            return vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group, vocab_size=v)
-        summed = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group, vocab_size=v, reduction="sum")
-        return context_mean_loss(summed, labels, self.cp)  # the mean over the whole sequence, reduced over cp once
+            loss = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group, vocab_size=v)
+        else:
+            summed = vocab_parallel_cross_entropy(logits, labels.t(), tp_group=self.tp_group, vocab_size=v,
+                                                  reduction="sum")
+            loss = context_mean_loss(summed, labels, self.cp)  # the mean over the whole sequence, reduced over cp once
+        # MoE layers' auxiliary losses take the gradient this loss receives (scaled by accumulation)
+        return loss if self.moe_scale is None else capture_loss_grad(loss, self.moe_scale)
 
     # ------------------------------------------------------------------ dense state dict
     def to_dense(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Gather per-parameter tensors (parameters, their grads or optimizer moments, keyed by
         parameter name) into the full, layout-invariant form: the vocabulary tables cut to the
         true ``vocab_size`` rows. A collective over TP."""
-        return trim_rows(sharding.to_dense(self, local, self.tp_group), self.config.vocab_size)
+        dense = trim_rows(sharding.to_dense(self, local, self.tp_group), self.config.vocab_size)
+        return gather_experts(self, dense)
 
     def to_local(self, dense: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Slice full tensors (as from :meth:`to_dense`) into this rank's shards, the vocabulary
         tables zero-padded to this layout's rows first. No communication."""
-        return sharding.to_local(self, pad_rows(dense, self.padded_vocab), self.tp_group)
+        return sharding.to_local(self, pad_rows(slice_experts(self, dense), self.padded_vocab), self.tp_group)
 
     def dense_state_dict(self) -> dict[str, torch.Tensor]:
         """Full (unsharded) tensors under stable names, identical for every TP size:
@@ -261,7 +274,7 @@ class GPT(nn.Module):
                 p.copy_(local[name])
 
     def _dense_shapes(self) -> dict[str, torch.Size]:
-        return true_dense_shapes(self)
+        return expert_dense_shapes(self, true_dense_shapes(self))
 
     def num_parameters(self, dense: bool = True) -> int:
         """Parameter count of the full model (``dense``) or of this rank's shards."""

@@ -8,6 +8,9 @@
    are built that way (a layer's layout is its parameters' shape), so this step checks that every
    part was built on this mesh.
 2. **CP**: attention exchanges K/V over the mesh's ``cp`` group (built in, checked likewise).
+   **EP**: each MoE layer's experts split over the mesh's ``ep`` group, carved from dp
+   (:func:`~seqpar.distributed.mesh.expert_parallel`); built in, checked likewise. Their gradients
+   are reduced over the expert-data-parallel group in step 6 (:mod:`seqpar.parallel.expert_grads`).
 3. **Recompute**: the run's modes (``none`` / ``selective`` / ``full``, uniform or one per layer)
    set on each part's blocks -- a transform of the part, nothing written back into a config.
 4. **Overlap** (``parallel.tp_overlap``): SP's all-gather / reduce-scatter in per-rank chunks under
@@ -33,7 +36,7 @@ from ..layers import ColumnParallelLinear, RowParallelLinear
 from .compile import CompileReport, compile_blocks, compile_enabled, merge_reports
 from .data_parallel import DataParallel
 
-RECIPE = ("tp/sp", "cp", "recompute", "overlap", "compile", "data parallel")  # the order, once
+RECIPE = ("tp/sp", "cp", "ep", "recompute", "overlap", "compile", "data parallel")  # the order, once
 
 
 @dataclass
@@ -47,11 +50,13 @@ class Applied:
 
 
 def check_built_for(part: nn.Module, mesh: ParallelMesh) -> None:
-    """Steps 1 and 2: ``part`` (a GPT or a stage) was built with ``mesh``'s TP and CP sizes."""
+    """Steps 1 and 2: ``part`` (a GPT or a stage) was built with ``mesh``'s TP, CP and EP sizes."""
     cp = getattr(getattr(part, "cp", None), "size", 1)
-    if part.tp_size != mesh.tp_size or cp != mesh.cp_size:
-        raise ValueError(f"{type(part).__name__} was built for tp={part.tp_size} cp={cp}, the mesh has "
-                         f"tp={mesh.tp_size} cp={mesh.cp_size}")
+    ep = getattr(getattr(part, "mesh", None), "ep_size", 1)
+    if part.tp_size != mesh.tp_size or cp != mesh.cp_size or ep != mesh.ep_size:
+        eps = (f" ep={ep}", f" ep={mesh.ep_size}") if ep != mesh.ep_size else ("", "")
+        raise ValueError(f"{type(part).__name__} was built for tp={part.tp_size} cp={cp}{eps[0]}, the mesh has "
+                         f"tp={mesh.tp_size} cp={mesh.cp_size}{eps[1]}")
 
 
 def apply_recompute(part: nn.Module, model_cfg) -> None:
@@ -88,7 +93,7 @@ def apply_parallelism(parts: Sequence[nn.Module], cfg: RunConfig, mesh: Parallel
     out = Applied(list(parts))
     for part in out.parts:
         check_built_for(part, mesh)
-    out.steps += ["tp/sp", "cp"]
+    out.steps += ["tp/sp", "cp", "ep"]
     for part in out.parts:
         apply_recompute(part, mc)
     out.steps.append("recompute")

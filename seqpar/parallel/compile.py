@@ -53,8 +53,11 @@ def merge_reports(reports: list[CompileReport]) -> CompileReport:
 def compile_enabled(setting: bool | str, device: torch.device, config=None, cp: int = 1) -> bool:
     """``train.compile``: true, false, or auto: on for CUDA, off for the CPU, and off where compiled
     blocks are not supported yet (:func:`~seqpar.recompute.compile_unsupported`; ``true`` there is an
-    error naming it)."""
+    error naming it). MoE models run eagerly under auto (data-dependent token counts and all-to-all
+    splits; ``true`` is refused by the run config)."""
     if setting == "auto":
+        if getattr(config, "moe", None) is not None:
+            return False
         return torch.device(device).type == "cuda" and compile_unsupported(config, cp) is None
     return bool(setting)
 

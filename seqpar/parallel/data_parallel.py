@@ -15,6 +15,7 @@ recipe's buckets); under fsdp one reduce-scatter over dp x cp (then scaled by cp
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 
 import torch
@@ -27,6 +28,8 @@ from ..sharding import local_tensor
 from ..model.modes import DATA_PARALLEL_MODES
 from .fsdp import apply_fsdp, set_micro_batch, sync_sharded_sp_grads
 from .grad_buckets import DEFAULT_BUCKET_MIB, GradBuckets
+from ..errors import UserError
+from .expert_grads import ExpertGrads, finish_moe_step
 from .grads import clip_grad_norm
 
 
@@ -46,16 +49,25 @@ class DataParallel:
         self.master_weights = master_weights  # ddp + the bf16 recipe: fp32 grads reduced here
         self.buckets = None  # ddp + the bf16 recipe: GradBuckets, reduced while backward runs
         self.norm_group = mesh.dp_group  # the ranks whose gradients differ: dp, or dp x cp when sharded
+        self.experts = ExpertGrads(model, mesh)  # ep > 1: expert grads reduced over edp, not by DDP/FSDP
+        self.expert_buckets = None  # ep > 1 + the bf16 recipe: expert grads in buckets over edp, after the rest
         if self.sharded:
             shard_mesh = mesh.dp_cp_mesh
             self.norm_group = shard_mesh.get_group() if mesh.cp_size > 1 else mesh.dp_group
+            expert_mesh = self.experts.fsdp_mesh()  # FSDP2 over edp for the experts (None: edp = 1)
             self.module = apply_fsdp(model, shard_mesh, reshard_after_forward=reshard_after_forward,
-                                     precision=precision)
+                                     precision=precision, expert_mesh=expert_mesh, experts=self.experts.params)
+            self.experts.reduced_by_fsdp = expert_mesh is not None
         elif mesh.dp_size * mesh.cp_size > 1 and master_weights:  # summed over cp, averaged over dp
-            self.buckets = GradBuckets(model, mesh.dp_cp_group, bucket_mib, divide_by=mesh.dp_size)
+            self.buckets = GradBuckets(model, mesh.dp_cp_group, bucket_mib, divide_by=mesh.dp_size,
+                                       skip=self.experts.names)
+            if self.experts.active:  # reduced in finish() only, after the dense ones: one order on every rank
+                self.expert_buckets = GradBuckets(model, mesh.edp_group, bucket_mib, divide_by=mesh.dp_size,
+                                                  names=self.experts.names)
+                self.experts.reduced_by_buckets = True
             self.module = model
         elif mesh.dp_size * mesh.cp_size > 1:
-            self.module = wrap_ddp(model, mesh, bucket_mib)
+            self.module = wrap_ddp(model, mesh, bucket_mib, ignore=self.experts.names)
         else:
             self.module = model
 
@@ -64,6 +76,8 @@ class DataParallel:
         None in other precisions): the gradient buckets take over accumulating into the masters."""
         if self.buckets is not None and weights is not None:
             self.buckets.begin(weights)
+            if self.expert_buckets is not None:
+                self.expert_buckets.begin(weights)
 
     def micro_batch(self, micro: int, accum: int) -> AbstractContextManager:
         """Around micro-batch ``micro`` of ``accum``: gradients are reduced over dp on the last only."""
@@ -84,25 +98,35 @@ class DataParallel:
         tp, cp = self.mesh.tp_group, self.mesh.cp_size
         if self.buckets is not None:
             self.buckets.finish()
+        if self.expert_buckets is not None:
+            self.expert_buckets.finish()
         if cp > 1 and self.sharded:  # FSDP averaged the shares over dp x cp: a sum over cp, a mean over dp only
-            grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
+            plain = {id(p) for p in self.experts.params} if not self.experts.reduced_by_fsdp else set()
+            grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None and id(p) not in plain]
             torch._foreach_mul_(grads, float(cp))
         if self.sharded:
             sync_sharded_sp_grads(self.model, tp)
         else:
             sync_sp_replicated_grads(self.model, tp)
+        self.experts.reduce()  # over edp, divided by dp (under FSDP2: its edp mean, scaled by 1/ep)
+        finish_moe_step(self.model, self.mesh.dp_group)  # counts are summed over tp (SP) and cp already
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm of the full model before clipping (clipped in place when > 0)."""
         return clip_grad_norm(self.model, max_norm, tp_group=self.mesh.tp_group, dp_group=self.norm_group,
-                              device=self.mesh.device)
+                              device=self.mesh.device, experts=self.experts.params, expert_dp_group=self.mesh.edp_group,
+                              data_group=self.mesh.dp_cp_group)
 
 
-def wrap_ddp(model: nn.Module, mesh: ParallelMesh, bucket_mib: float = DEFAULT_BUCKET_MIB) -> nn.Module:
+def wrap_ddp(model: nn.Module, mesh: ParallelMesh, bucket_mib: float = DEFAULT_BUCKET_MIB,
+             ignore: Sequence[str] = ()) -> nn.Module:
     """torch DDP over the dp x cp group: gradients in buckets of about ``bucket_mib`` MiB, each
     all-reduced as soon as backward has produced it. Under context parallelism each bucket is
-    divided by dp, not dp x cp, before it is summed: the CP ranks' shares add up, dp averages."""
+    divided by dp, not dp x cp, before it is summed: the CP ranks' shares add up, dp averages.
+    ``ignore``: parameter names DDP leaves alone (expert weights, reduced over edp instead)."""
     from torch.nn.parallel import DistributedDataParallel
+    if ignore:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, list(ignore))
     kwargs = {"broadcast_buffers": False} if any(True for _ in model.buffers()) else {}
     wrapped = DistributedDataParallel(model, process_group=mesh.dp_cp_group, bucket_cap_mb=bucket_mib, **kwargs)
     if mesh.cp_size > 1:

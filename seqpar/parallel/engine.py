@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..config import RunConfig
-from ..distributed.mesh import ParallelMesh
+from ..distributed.mesh import ParallelMesh, expert_parallel
 from ..memory import PeakActivationLedger, layers_in_flight
 from ..memory.probe import ActivationProbe
 from ..memory.whole_model import model_activation_bytes
@@ -34,6 +34,8 @@ from ..model import GPT
 from ..sharding import local_tensor
 from .apply import Applied, apply_parallelism
 from .compile import CompileReport
+from ..model.moe import moe_layers
+from .expert_grads import finish_moe_step, load_lines
 from .fsdp import reshard
 from .pipeline import build_pipeline, resolve_schedule
 from .precision import Precision
@@ -84,8 +86,12 @@ class StepEngine:
         raise NotImplementedError
 
     def compile_line(self, seconds: float | None = None) -> str | None:
-        """What was compiled and how long compilation took (once, after the first step)."""
+        """What was compiled and how long compilation took (once, after the first step); under
+        ``train.compile=auto`` on a GPU, why an MoE model was not compiled."""
         if self.compiled is None:
+            if self.cfg.model.moe is not None and self.cfg.train.compile == "auto" and self.mesh.device.type == "cuda":
+                return ("compile: auto runs MoE blocks eagerly (their token counts and all-to-all splits are "
+                        "data-dependent)")
             return None
         self.compiled.seconds = seconds
         return self.compiled.line()
@@ -131,6 +137,10 @@ class PlainEngine(StepEngine):
 
     def clip(self, max_norm: float) -> torch.Tensor:
         return self.data_parallel.clip(max_norm)
+
+    def log_lines(self) -> list[str]:
+        """Per MoE layer, the last step's min / max tokens per expert."""
+        return load_lines(self.model)
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[Batch]) -> torch.Tensor:
@@ -186,6 +196,8 @@ class PipelineEngine(StepEngine):
         tokens = torch.cat([x for x, _ in micro_batches])
         labels = torch.cat([y for _, y in micro_batches])
         weights = prec.compute_weights(self.module)
+        for _, layer in moe_layers(self.module):  # the loss is scaled by 1/n on the last stage only: the
+            layer.cell.value = torch.tensor(1.0 / self.pipe.n_microbatches)  # MoE losses take the same scale
         # the first step only; what a recompute saves while backward runs is its transient, not in §4.2.3
         ledger = PeakActivationLedger(self.module, during_backward=False) if self.peak is None else None
         with prec.weights_in(self.module, weights), prec.autocast(), ledger or contextlib.nullcontext():
@@ -195,6 +207,7 @@ class PipelineEngine(StepEngine):
         if weights is not None:
             prec.accumulate(self.module, weights)
             self.pipe.finish_grads()
+        finish_moe_step(self.module, self.mesh.dp_group)  # this stage's MoE layers: load, balancing bias
         return loss
 
     def clip(self, max_norm: float) -> torch.Tensor:
@@ -245,8 +258,9 @@ class PipelineEngine(StepEngine):
                 f"time of the step), (p-1)/(m n) = {self.pipe.ideal_bubble():.3f}")
 
     def log_lines(self) -> list[str]:
+        """The measured bubble, and the tokens per expert of this rank's MoE layers."""
         line = self.bubble_line()
-        return [line] if line else []
+        return ([line] if line else []) + load_lines(self.module)
 
 
 def build_engine(cfg: RunConfig, mesh: ParallelMesh, *, accum: int, precision: Precision,
@@ -255,6 +269,7 @@ def build_engine(cfg: RunConfig, mesh: ParallelMesh, *, accum: int, precision: P
     else the GPT over ddp / fsdp (``probe``: measure the first forward's saved activations)."""
     if mesh.pp_size > 1:
         return PipelineEngine(cfg, mesh, accum=accum, precision=precision)
+    mesh = expert_parallel(mesh, cfg.parallel.ep)  # ep carved from dp (collective: every rank, same ep)
     return PlainEngine(cfg, mesh, accum=accum, precision=precision, probe=probe)
 
 

@@ -20,6 +20,8 @@ gathered ones bf16, gradients reduce-scattered in fp32 into fp32 shards.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn as nn
 
@@ -36,16 +38,24 @@ def mixed_precision_policy(precision: str):
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, *, reshard_after_forward: bool = True, precision: str = "fp32") -> nn.Module:
+def apply_fsdp(model: nn.Module, dp_mesh, *, reshard_after_forward: bool = True, precision: str = "fp32",
+               expert_mesh=None, experts: Sequence[nn.Parameter] = ()) -> nn.Module:
     """Shard ``model`` (a seqpar ``GPT``) over ``dp_mesh``: one FSDP unit per block in
     ``model.blocks``, then the root (embeddings, final norm, head). Modifies ``model`` in place
     (its parameters become DTensors) and returns it. The root keeps its parameters gathered
-    after forward (it runs last in forward and first in backward)."""
+    after forward (it runs last in forward and first in backward). Expert parallelism: each MoE
+    layer's routed experts (``experts``) form a unit of their own over ``expert_mesh`` (the
+    expert-data-parallel ranks), or stay plain, reduced by the caller, when it is None (edp = 1)."""
     from torch.distributed.fsdp import fully_shard
     policy = mixed_precision_policy(precision)
+    ignored = set(experts) if expert_mesh is None else set()
     for block in model.blocks:
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy)
+        grouped = getattr(getattr(block, "mlp", None), "experts", None)
+        if experts and expert_mesh is not None and grouped is not None:
+            fully_shard(grouped, mesh=expert_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy,
+                    ignored_params=ignored or None)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=policy, ignored_params=ignored or None)
     return model
 
 

@@ -14,6 +14,8 @@ so one all-reduce over dp x cp sums the shares over cp and, divided by dp only, 
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.nn as nn
 
@@ -27,12 +29,15 @@ class GradBuckets:
     divided by ``divide_by`` (default: the group's size, a mean)."""
 
     def __init__(self, model: nn.Module, group, bucket_mib: float = DEFAULT_BUCKET_MIB,
-                 divide_by: int | None = None):
+                 divide_by: int | None = None, names: Collection[str] | None = None, skip: Collection[str] = ()):
+        """``names``: only these parameters (default: every trainable one); ``skip``: not these
+        (expert weights go in buckets of their own, over the expert-data-parallel group)."""
         if not bucket_mib > 0:
             raise ValueError(f"parallel.bucket_mib must be > 0, got {bucket_mib}")
         self.model, self.group = model, group
         self.size = group_size(group) if divide_by is None else divide_by
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters()
+                 if p.requires_grad and (names is None or n in names) and n not in skip]
         limit = max(1, int(bucket_mib * 2**20) // 4)  # fp32 elements per bucket
         groups: list[list[tuple[str, nn.Parameter]]] = [[]]
         for name, p in reversed(named):

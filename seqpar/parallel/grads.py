@@ -7,7 +7,9 @@ gradient exactly once, reading the layouts (:mod:`seqpar.sharding`) instead of r
   (norms, row-parallel biases, positions; SP-replicated ones after their TP sum) is counted on TP
   rank 0 only.
 * dp: an FSDP2 gradient (a DTensor holding this rank's dp shard) is summed over dp; a gradient
-  replicated over dp (ddp, pipelines) is counted on dp rank 0 only.
+  replicated over dp (ddp, pipelines) is counted on dp rank 0 only; an expert's gradient (experts
+  split over ep, carved from dp x cp) on the first rank of its expert-data-parallel group, summed
+  over all dp x cp ranks.
 * pp: every stage holds other parameters, so squares are summed over pp; a tied copy another
   stage counts (the last stage's token table) is passed in ``exclude``.
 
@@ -79,18 +81,22 @@ def replica_views(module: nn.Module, tp_rank: int, t: int) -> dict[int, list[tor
 
 
 def counted_here(module: nn.Module, *, tp_group: ProcessGroup | None = None, dp_group: ProcessGroup | None = None,
-                 exclude: Iterable[nn.Parameter] = ()) -> list[nn.Parameter]:
+                 exclude: Iterable[nn.Parameter] = (), experts: Iterable[nn.Parameter] = (),
+                 expert_dp_group: ProcessGroup | None = None) -> list[nn.Parameter]:
     """The parameters (with a gradient) whose local squares this rank adds to the global norm,
-    each once: see the module docstring. Pure: reads layouts and ranks, no collective."""
-    skip = {id(p) for p in exclude}
+    each once: see the module docstring. ``experts`` (split over ep inside dp) count on the first
+    rank of ``expert_dp_group`` instead of dp's. Pure: reads layouts and ranks, no collective."""
+    skip, expert_ids = {id(p) for p in exclude}, {id(p) for p in experts}
     split = split_parameters(module) if group_size(tp_group) > 1 else set()
     tp_first, dp_first = group_rank(tp_group) == 0, group_rank(dp_group) == 0
+    edp_first = group_rank(expert_dp_group) == 0
     seen, out = set(), []
     for p in module.parameters():
         if p.grad is None or id(p) in skip or id(p) in seen:
             continue
         seen.add(id(p))
-        if (id(p) in split or tp_first) and (_dp_sharded(p.grad) or dp_first):
+        first = edp_first if id(p) in expert_ids else dp_first
+        if (id(p) in split or tp_first) and (_dp_sharded(p.grad) or first):
             out.append(p)
     return out
 
@@ -117,7 +123,9 @@ def scale_grads_(grads: list[torch.Tensor], scale: torch.Tensor) -> None:
 @torch.no_grad()
 def clip_grad_norm(module: nn.Module, max_norm: float, *, tp_group: ProcessGroup | None = None,
                    dp_group: ProcessGroup | None = None, pp_group: ProcessGroup | None = None,
-                   exclude: Iterable[nn.Parameter] = (), device: torch.device | str | None = None) -> torch.Tensor:
+                   exclude: Iterable[nn.Parameter] = (), device: torch.device | str | None = None,
+                   experts: Iterable[nn.Parameter] = (), expert_dp_group: ProcessGroup | None = None,
+                   data_group: ProcessGroup | None = None) -> torch.Tensor:
     """Global L2 norm of the full model's gradients from this rank's part ``module``, over every
     layout at once (tp splits, FSDP2 dp shards, pp stages, tied copies in ``exclude`` and
     replicated parameters counted once). Scales every gradient of ``module`` in place by
@@ -127,11 +135,21 @@ def clip_grad_norm(module: nn.Module, max_norm: float, *, tp_group: ProcessGroup
     (one scalar each); no host sync."""
     grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
     device = grads[0].device if grads else torch.device(device or "cpu")
-    counted = counted_here(module, tp_group=tp_group, dp_group=dp_group, exclude=exclude)
+    experts = list(experts)
+    counted = counted_here(module, tp_group=tp_group, dp_group=dp_group, exclude=exclude, experts=experts,
+                           expert_dp_group=expert_dp_group)
     views = replica_views(module, group_rank(tp_group), group_size(tp_group)) if group_size(tp_group) > 1 else {}
-    total = _sum_of_squares([v for p in counted for v in views.get(id(p), [local_tensor(p.grad)])], device)
+    split = {id(p) for p in experts}
+    squares = lambda ps: _sum_of_squares([v for p in ps for v in views.get(id(p), [local_tensor(p.grad)])],  # noqa: E731
+                                         device)
+    total = squares([p for p in counted if id(p) not in split])
     for group in (tp_group, dp_group, pp_group):
         all_reduce(total, group)
+    if experts:  # split over ep, which dp x cp holds: summed over all data ranks (``data_group``)
+        part = squares([p for p in counted if id(p) in split])
+        for group in (tp_group, data_group, pp_group):
+            all_reduce(part, group)
+        total += part
     norm = total.sqrt()
     if max_norm > 0 and grads:
         scale_grads_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0))

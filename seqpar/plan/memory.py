@@ -69,12 +69,14 @@ def per_layer_activations(model: GPTConfig, layout: Layout, precision: str = "bf
     """Bytes one layer keeps for backward for one micro-batch, per recompute mode (full: the unit
     input), with the attention kernel ``device`` runs (the planner's GPUs: "cuda")."""
     key = (dims.model_key(model), layout.tp, layout.sequence_parallel, layout.micro_batch, precision, layout.cp,
-           device)
+           device, repr(model.moe))
     if key not in _PER_LAYER_CACHE:
         cfg = dims.with_sequence_parallel(model, layout.sequence_parallel)
-        _PER_LAYER_CACHE[key] = {mode: round(layer_bytes(cfg, mode, s=model.seq_len // layout.cp, b=layout.micro_batch,
-                                                         t=layout.tp, act=ACTIVATION_BYTES[precision], cp=layout.cp,
-                                                         device=device))
+        dims_ = dict(s=model.seq_len // layout.cp, b=layout.micro_batch, t=layout.tp, act=ACTIVATION_BYTES[precision],
+                     cp=layout.cp, device=device)
+        moe = [model.moe is not None and model.moe.is_moe_layer(i) for i in range(model.layers)]
+        # an MoE model's layers differ: the mean over its layers (dense and MoE) stands for one
+        _PER_LAYER_CACHE[key] = {mode: round(sum(layer_bytes(cfg, mode, **dims_, moe=e) for e in moe) / len(moe))
                                  for mode in RECOMPUTE_MODES}
     return _PER_LAYER_CACHE[key]
 

@@ -3,6 +3,7 @@
     seqpar bench [--systems seqpar,seqpar-overlap,seqpar-compiled,megatron-core,dtensor] [--recompute none,selective,full]
                  [--tp 2] [--seq 256 --hidden 256 --heads 8 --layers 2 --micro-batch 2 --vocab 1024]
                  [--repeats 10 --warmup 2] [--scaling] [--out bench-results]
+    seqpar bench --moe [--seq 256 --hidden 256 --micro-batch 2]
 
 Prints a Markdown table (median step time, ratio to seqpar at the same recompute mode,
 tokens/s, saved bytes per layer, step-0 loss), seqpar's communication per step (SP vs plain
@@ -43,6 +44,8 @@ def _parse(argv):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--scaling", action="store_true", help="also time seqpar as s and h double (3 points each)")
     p.add_argument("--out", default="bench-results")
+    p.add_argument("--moe", action="store_true", help="instead: one MoE layer step against Megatron-core's MoELayer "
+                   "(--seq, --hidden, --micro-batch; 8 experts, top-2, expert width hidden)")
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
     args.recompute = [r.strip() for r in args.recompute.split(",") if r.strip()]
@@ -143,6 +146,8 @@ def _chart(results: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(sys.argv[1:] if argv is None else argv)
+    if args.moe:
+        return _moe_main(args)
     shape = BenchShape(vocab_size=args.vocab, seq_len=args.seq, hidden=args.hidden, heads=args.heads,
                        layers=args.layers, micro_batch=args.micro_batch)
     out = Path(args.out)
@@ -163,6 +168,15 @@ def main(argv: list[str] | None = None) -> int:
     (out / "results.json").write_text(json.dumps(report, indent=1))
     _chart(data["results"], out / "results.png")
     print(f"\nwrote {out / 'results.json'} and {out / 'results.png'}")
+    return 0
+
+
+def _moe_main(args) -> int:
+    """``--moe``: seqpar's MoE layer and Megatron-core's, one step each, same weights (one CPU rank)."""
+    from .moe_bench import moe_bench, moe_table
+    shape = dict(seq=args.seq, batch=args.micro_batch, hidden=args.hidden, ffn=args.hidden, experts=8, top_k=2)
+    print(f"seqpar bench --moe: one MoE layer, {shape}, CPU, fp32, 1 thread", flush=True)
+    print(moe_table(shape, moe_bench(shape, repeats=args.repeats, warmup=args.warmup)))
     return 0
 
 
