@@ -28,7 +28,6 @@ from ..sharding import local_tensor
 from ..model.modes import DATA_PARALLEL_MODES
 from .fsdp import apply_fsdp, set_micro_batch, sync_sharded_sp_grads
 from .grad_buckets import DEFAULT_BUCKET_MIB, GradBuckets
-from ..errors import UserError
 from .expert_grads import ExpertGrads, finish_moe_step
 from .grads import clip_grad_norm
 

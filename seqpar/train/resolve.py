@@ -12,10 +12,11 @@ assigning to any of its sections raises).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from dataclasses import dataclass
 
 from ..config import RunConfig, TrainConfig
-from ..distributed.mesh import validate_layout
+from ..distributed.mesh import ParallelMesh, validate_layout
 from ..errors import UserError
 from ..model.config import freeze
 from ..parallel.pipeline import check_microbatches, resolve_schedule
@@ -132,3 +133,30 @@ def resolve_run(cfg: RunConfig, world_size: int, device: str = "cpu", *,
 
 
 __all__ = ["ResolvedRun", "keep_saved_batch", "resolve_run"]
+
+
+def check_trainer_arguments(cfg, mesh) -> None:
+    """``Trainer``'s arguments are of the types it takes; its folders are folders, not files."""
+    if not isinstance(cfg, (RunConfig, ResolvedRun)):
+        raise UserError(f"Trainer(cfg): cfg must be a RunConfig (seqpar.config.load_run_config) or a ResolvedRun, "
+                        f"got {type(cfg).__name__}")
+    if mesh is not None and not isinstance(mesh, ParallelMesh):
+        raise UserError(f"Trainer(mesh=...): mesh must be a ParallelMesh (seqpar.init_parallel), got "
+                        f"{type(mesh).__name__}")
+    run = cfg.cfg if isinstance(cfg, ResolvedRun) else cfg
+    for key, path in (("checkpoint.dir", run.checkpoint.dir), ("out_dir", run.out_dir)):
+        if Path(path).exists() and not Path(path).is_dir():
+            raise UserError(f"{key}={path} is a file, not a folder; point {key} at a folder")
+
+
+def check_mesh(run: ResolvedRun, mesh: ParallelMesh | None) -> None:
+    """A given mesh has the config's layout (else throughput and the global batch would be wrong)."""
+    if mesh is None:
+        return
+    pc = run.cfg.parallel
+    want = {"tp": pc.tp, "pp": pc.pp, "cp": pc.cp, "dp": run.dp}
+    got = {"tp": mesh.tp_size, "pp": mesh.pp_size, "cp": mesh.cp_size, "dp": mesh.dp_size}
+    if want != got:
+        diff = ", ".join(f"parallel.{k}={want[k]} but mesh {k}={got[k]}" for k in want if want[k] != got[k])
+        raise UserError(f"Trainer(cfg, mesh): the mesh contradicts the config: {diff}; set the config's parallel "
+                        f"section to the mesh's layout (or leave mesh out)")

@@ -36,7 +36,6 @@ from ..config import RunConfig, dump
 from ..data import Batch, data_streams, load_corpus, tokenizer_attachment
 from ..distributed.collectives import all_reduce, group_size, world_group
 from ..distributed.mesh import ParallelMesh, init_parallel
-from ..errors import UserError
 from ..parallel.data_parallel import state_bytes, state_line
 from ..parallel.compile import compile_seconds
 from ..parallel.engine import build_engine
@@ -48,7 +47,7 @@ from .generate import sample as sample_ids
 from .metrics import MetricsLogger, Throughput, device_name
 from .optim import build_optimizer, lr_at
 from .preflight import check_memory
-from .resolve import ResolvedRun, resolve_run
+from .resolve import ResolvedRun, check_mesh, check_trainer_arguments, resolve_run
 from .step import Halt, StepResult, agree, read_results, run_step
 
 
@@ -61,47 +60,20 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _check_arguments(cfg, mesh) -> None:
-    """``Trainer``'s arguments are of the types it takes; its folders are folders, not files."""
-    if not isinstance(cfg, (RunConfig, ResolvedRun)):
-        raise UserError(f"Trainer(cfg): cfg must be a RunConfig (seqpar.config.load_run_config) or a ResolvedRun, "
-                        f"got {type(cfg).__name__}")
-    if mesh is not None and not isinstance(mesh, ParallelMesh):
-        raise UserError(f"Trainer(mesh=...): mesh must be a ParallelMesh (seqpar.init_parallel), got "
-                        f"{type(mesh).__name__}")
-    run = cfg.cfg if isinstance(cfg, ResolvedRun) else cfg
-    for key, path in (("checkpoint.dir", run.checkpoint.dir), ("out_dir", run.out_dir)):
-        if Path(path).exists() and not Path(path).is_dir():
-            raise UserError(f"{key}={path} is a file, not a folder; point {key} at a folder")
-
-
-def _check_mesh(run: ResolvedRun, mesh: ParallelMesh | None) -> None:
-    """A given mesh has the config's layout (else throughput and the global batch would be wrong)."""
-    if mesh is None:
-        return
-    pc = run.cfg.parallel
-    want = {"tp": pc.tp, "pp": pc.pp, "cp": pc.cp, "dp": run.dp}
-    got = {"tp": mesh.tp_size, "pp": mesh.pp_size, "cp": mesh.cp_size, "dp": mesh.dp_size}
-    if want != got:
-        diff = ", ".join(f"parallel.{k}={want[k]} but mesh {k}={got[k]}" for k in want if want[k] != got[k])
-        raise UserError(f"Trainer(cfg, mesh): the mesh contradicts the config: {diff}; set the config's parallel "
-                        f"section to the mesh's layout (or leave mesh out)")
-
-
 class Trainer:
     """Trains ``cfg.model`` on ``cfg.data`` as configured. Build it on every rank (it validates the
     config before any collective), then call :meth:`fit`; the other methods are its steps.
     ``cfg``: a :class:`RunConfig`, or a run already resolved by :func:`resolve_run`."""
 
     def __init__(self, cfg: RunConfig | ResolvedRun, *, mesh: ParallelMesh | None = None):
-        _check_arguments(cfg, mesh)
+        check_trainer_arguments(cfg, mesh)
         world = mesh.world_size if mesh else _world_size()
         device = mesh.device.type if mesh else _default_device()
         self.run = cfg if isinstance(cfg, ResolvedRun) else resolve_run(
             cfg, world, device, saved_global_batch=resume_global_batch(cfg))
         if self.run.world_size != world:
             raise ValueError(f"the run was resolved for world size {self.run.world_size}, got {world}")
-        _check_mesh(self.run, mesh)
+        check_mesh(self.run, mesh)
         check_memory(self.run, mesh.device if mesh else device, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         cfg = self.run.cfg
         self.mesh = self._setup_mesh(mesh)
