@@ -51,6 +51,7 @@ NOT_RUN = [
     (r"seqpar memory configs/memory-demo-pp\.yaml --measure", "four pipeline ranks measured (40 s here); "
                                                             "the path of memory-demo.yaml --measure, which runs"),
     (r"seqpar memory llama3-70b", "prints a 70B model's formulas only; tests/test_memory_report.py"),
+    (r"seqpar verify", "trains every layout on local ranks (30 s and more); tests/test_verify.py runs these"),
     (r"seqpar plan .*--png", "draws a figure with matplotlib (the same search as the line before)"),
     (r"seqpar memory --paper --png", "draws the paper's figure with matplotlib; tests/test_memory_report.py"),
 ]
@@ -60,6 +61,9 @@ EXCERPTS = ("examples/dropin_gpt2.py", "examples/dropin_llama.py", "examples/dro
 SKETCHES = [
     ("import seqpar\nfrom seqpar.dropin import Plan, Style", "a plan for the reader's own module"),
     ("from seqpar.dropin import set_sequence_parallel", "the generate step of examples/dropin_llama.py"),
+    ("from seqpar.verify import assert_layouts_equal, verify", "the Python entry points over names the page "
+     "defines in prose; tests/test_verify.py calls both"),
+    ("# test_my_model.py", "tests/test_verify.py runs this pytest file as written"),
     ("from seqpar.interop.gpt2 import from_hf, to_hf", "tests/test_interop_gpt2.py runs the round trip"),
 ]
 TRAIN_EXTRA = ["train.log_interval=1", "train.eval_interval=2", "train.eval_batches=1", "checkpoint.interval=2",

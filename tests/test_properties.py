@@ -102,7 +102,8 @@ VALID: dict[str, st.SearchStrategy] = {
     "train.global_batch": st.none() | st.integers(1, 10**6), "train.lr": _floats(1e-3, 10.0),
     "train.min_lr": _floats(0.0, 1e-3), "train.warmup_steps": st.integers(0, 10**6),
     "train.weight_decay": _floats(0.0, 10.0), "train.beta1": UNIT, "train.beta2": UNIT,
-    "train.grad_clip": _floats(0.0, 1e3), "train.seed": st.integers(-2**63, 2**64),
+    "train.grad_clip": _floats(0.0, 1e3), "train.seed": st.integers(0, 2**64),
+    "train.sample_prompt": st.none() | st.sampled_from(["def ", "The ", "Once upon a time,"]),
     "train.log_interval": st.integers(1, 10**4), "train.eval_interval": st.integers(0, 10**4),
     "train.eval_batches": st.integers(1, 1000), "train.threads_per_rank": st.integers(1, 256),
     "train.max_skipped_steps": st.integers(1, 10**6),
@@ -173,7 +174,7 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy] = {
                                                     | NONFINITE}), min_size=1, max_size=2),
     **{f"train.{k}": BELOW[1] for k in ("steps", "micro_batch", "global_batch", "log_interval", "eval_batches",
                                          "threads_per_rank")},
-    "train.warmup_steps": BELOW[0], "train.eval_interval": BELOW[0],
+    "train.warmup_steps": BELOW[0], "train.eval_interval": BELOW[0], "train.seed": BELOW[0],
     "train.lr": st.floats(max_value=1e-4, exclude_max=True) | NONFINITE,  # <= 0, or below min_lr=1e-4
     "train.min_lr": NEG | st.floats(min_value=1e-3, exclude_min=True) | NONFINITE,  # < 0, or above lr=1e-3
     "train.beta1": NEG | st.floats(min_value=1.0) | NONFINITE, "train.beta2": NEG | st.floats(min_value=1.0) | NONFINITE,

@@ -85,8 +85,7 @@ def plant_recompute_without_replay():
 def plant_norm_counted_per_tp_rank():
     import seqpar.parallel.grads as grads
     counted = grads.counted_here
-    grads.counted_here = lambda module, tp_group=None, dp_group=None, exclude=(): counted(
-        module, tp_group=None, dp_group=dp_group, exclude=exclude)
+    grads.counted_here = lambda module, tp_group=None, **kwargs: counted(module, tp_group=None, **kwargs)
 
 
 def plant_tied_grads_not_summed():

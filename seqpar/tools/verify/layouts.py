@@ -9,11 +9,11 @@ parallelism), ``cpN`` with ``ring`` or ``allgather`` (context parallel and its K
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from ...errors import UserError
+from ...model.modes import DATA_PARALLEL_MODES, RECOMPUTE_MODES, RecomputeMode
 
-Recompute = Literal["none", "selective", "full"]
+Recompute = RecomputeMode
 
 # the default set: each technique once, on 2 ranks, plus t=4 (4 ranks)
 DEFAULT_LAYOUTS = ("t2", "t2-nosp", "t2-selective", "t2-full", "t4", "cp2", "cp2-ring", "pp2", "dp2-ddp",
@@ -61,9 +61,9 @@ def parse_layout(name: str) -> Layout:
                 fields["sp"] = False
             elif token in ("ring", "allgather"):
                 fields["cp_comm"] = token
-            elif token in ("ddp", "fsdp"):
+            elif token in DATA_PARALLEL_MODES:
                 fields["dp_mode"] = token
-            elif token in ("none", "selective", "full"):
+            elif token in RECOMPUTE_MODES:
                 fields["recompute"] = token
             elif token == "compile":
                 fields["compile"] = True
