@@ -156,6 +156,28 @@ def test_moe_layers_are_chosen_by_every_and_first_dense():
     cfg = dataclasses.replace(moe_config(every=2, first_dense=2), layers=6)
     model = GPT(cfg)
     assert [type(b.mlp).__name__ for b in model.blocks] == ["MLP", "MLP", "MLP", "MoE", "MLP", "MoE"]
+    for every, first_dense, layers in [(1, 0, 5), (2, 2, 6), (3, 1, 10), (2, 7, 5), (4, 0, 3)]:
+        moe = MoEConfig(every=every, first_dense=first_dense)
+        assert moe.moe_layer_count(layers) == sum(map(moe.is_moe_layer, range(layers)))
+
+
+def test_a_million_layer_memory_prediction_is_one_formula_per_kind_of_layer(monkeypatch):
+    """The formulas are evaluated per kind of layer (dense or MoE, per recompute mode), not per
+    layer: a config the pre-flight refuses must not take minutes to refuse (it once summed a
+    million layers' Fractions)."""
+    from seqpar.memory import whole_model
+    from seqpar.plan.layout import Layout
+    from seqpar.plan.memory import per_layer_activations
+    calls = []
+    terms = whole_model.layer_terms
+    monkeypatch.setattr(whole_model, "layer_terms", lambda *a, **k: calls.append(1) or terms(*a, **k))
+    for moe in (None, MoEConfig(every=2)):
+        cfg = dataclasses.replace(moe_config(), layers=1_000_000, moe=moe)
+        few = whole_model.model_activation_bytes(dataclasses.replace(cfg, layers=4), t=1, micro_batch=1)["layers"]
+        calls.clear()
+        assert whole_model.model_activation_bytes(cfg, t=1, micro_batch=1)["layers"] == few * 250_000
+        per_layer_activations(cfg, Layout(tp=1, pp=1, dp=1, micro_batch=1))
+        assert len(calls) <= 6, len(calls)  # two kinds of layer x (none, selective); full needs no terms
 
 
 @pytest.mark.parametrize("bad,match", [(dict(top_k=5), r"top_k \(5\) exceeds experts \(4\)"),

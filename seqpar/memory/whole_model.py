@@ -26,6 +26,7 @@ exchanges K/V again, so nothing of the other ranks' K/V is kept (``docs/context-
 """
 from __future__ import annotations
 
+from collections import Counter
 from fractions import Fraction
 from typing import Sequence
 
@@ -176,14 +177,15 @@ def model_activation_bytes(cfg: GPTConfig, *, t: int, micro_batch: int, activati
     moe = [cfg.moe is not None and cfg.moe.is_moe_layer(i) for i in range(cfg.layers)]
     modes = cfg.layer_recompute()  # model.recompute_layers: one mode per layer, each full layer its own unit
     if modes is not None:
-        layers = sum(layer_bytes(cfg, m, **per, moe=e) for m, e in zip(modes, moe))
+        kinds = Counter(zip(modes, moe))
     elif cfg.recompute == "full":
         runs = full_recompute_plan(cfg.layers, cfg.recompute_method, cfg.recompute_num_layers)
-        units = sum(1 for *_, ckpt in runs if ckpt)
-        layers = units * layer_bytes(cfg, "full", **per) + sum(
-            layer_bytes(cfg, "none", **per, moe=moe[i]) for begin, end, ckpt in runs if not ckpt for i in range(begin, end))
+        kinds = Counter(("none", moe[i]) for begin, end, ckpt in runs if not ckpt for i in range(begin, end))
+        kinds["full", False] += sum(1 for *_, ckpt in runs if ckpt)  # one unit input per checkpointed unit
     else:
-        layers = sum(layer_bytes(cfg, cfg.recompute, **per, moe=e) for e in moe)
+        kinds = Counter((cfg.recompute, e) for e in moe)
+    # layers of one kind keep the same bytes: one formula per kind (a million-layer config stays instant)
+    layers = sum(n * layer_bytes(cfg, m, **per, moe=e) for (m, e), n in kinds.items())
     outside = sum(outside_terms(cfg, **dims).values())
     return {"layers": round(layers), "outside_layers": round(outside), "total": round(layers + outside)}
 

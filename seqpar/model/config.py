@@ -155,6 +155,10 @@ class MoEConfig(Freezable):
         """Whether transformer layer ``i`` (0-based) has an MoE FFN."""
         return i >= self.first_dense and (i + 1) % self.every == 0
 
+    def moe_layer_count(self, layers: int) -> int:
+        """How many of ``layers`` layers have an MoE FFN (:meth:`is_moe_layer`), without a loop."""
+        return max(0, layers // self.every - self.first_dense // self.every)
+
     def expert_ffn(self, model_ffn: int) -> int:
         """f_e: each expert's width (``ffn_hidden``, else the model's)."""
         return self.ffn_hidden or model_ffn

@@ -74,10 +74,11 @@ def per_layer_activations(model: GPTConfig, layout: Layout, precision: str = "bf
         cfg = dims.with_sequence_parallel(model, layout.sequence_parallel)
         dims_ = dict(s=model.seq_len // layout.cp, b=layout.micro_batch, t=layout.tp, act=ACTIVATION_BYTES[precision],
                      cp=layout.cp, device=device)
-        moe = [model.moe is not None and model.moe.is_moe_layer(i) for i in range(model.layers)]
+        n_moe = model.moe.moe_layer_count(model.layers) if model.moe is not None else 0
+        kinds = {False: model.layers - n_moe, True: n_moe}  # layers without and with an MoE FFN
         # an MoE model's layers differ: the mean over its layers (dense and MoE) stands for one
-        _PER_LAYER_CACHE[key] = {mode: round(sum(layer_bytes(cfg, mode, **dims_, moe=e) for e in moe) / len(moe))
-                                 for mode in RECOMPUTE_MODES}
+        _PER_LAYER_CACHE[key] = {mode: round(sum(n * layer_bytes(cfg, mode, **dims_, moe=e) for e, n in kinds.items() if n)
+                                             / model.layers) for mode in RECOMPUTE_MODES}
     return _PER_LAYER_CACHE[key]
 
 
