@@ -1,5 +1,7 @@
 """User-input errors through the command line: one line naming the offending value, exit code 2,
-no traceback, for every entry point (a subprocess each, several bad inputs per start)."""
+no traceback, for every entry point. Commands that start ranks run in a subprocess (several bad
+inputs per start); the others through ``seqpar.cli.main`` in this process, the console script's
+own function (the installed script itself: tests/test_installed_wheel.py)."""
 import os
 import re
 import subprocess
@@ -27,6 +29,15 @@ def _tokens(tmp: Path, bad_id: int | None = None) -> str:
 def _run(args: list[str], cwd: Path, timeout=240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _cli(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """``seqpar ARGS`` through the console script's function in this process: its exit code and output."""
+    from seqpar.cli import main
+    capsys.readouterr()
+    code = main(args)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["seqpar", *args], code, out.out, out.err)
 
 
 def _assert_one_line(proc: subprocess.CompletedProcess, *needles: str) -> None:
@@ -147,31 +158,30 @@ def test_plain_torchrun_ranks_print_their_line_and_exit_2(tmp_path):
     assert "seqpar" not in launcher.replace("seqpar.train FAILED", ""), launcher
 
 
-def test_generate_export_import_memory_plan(tmp_path):
-    seqpar = [sys.executable, "-m", "seqpar.cli"]
-    p = _run(seqpar + ["generate", str(tmp_path / "nowhere")], tmp_path)
+def test_generate_export_import_memory_plan(tmp_path, capsys):
+    p = _cli(["generate", str(tmp_path / "nowhere")], capsys)
     _assert_one_line(p, "nowhere")
-    p = _run(seqpar + ["generate", str(tmp_path), "--tokens", "-3"], tmp_path)
+    p = _cli(["generate", str(tmp_path), "--tokens", "-3"], capsys)
     _assert_one_line(p, "--tokens", "-3")
     folder = tmp_path / "exported"
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"garbage")
     (folder / "config.yaml").write_text("model:\n  vocab_size: 128\n")
-    p = _run(seqpar + ["generate", str(folder)], tmp_path)
+    p = _cli(["generate", str(folder)], capsys)
     _assert_one_line(p, "model.safetensors")
     (tmp_path / "afile").write_text("x")
-    p = _run(seqpar + ["export", str(tmp_path / "nowhere"), str(tmp_path / "afile")], tmp_path)
+    p = _cli(["export", str(tmp_path / "nowhere"), str(tmp_path / "afile")], capsys)
     _assert_one_line(p, "afile")
-    p = _run(seqpar + ["export", str(tmp_path / "nowhere"), str(folder)], tmp_path)
+    p = _cli(["export", str(tmp_path / "nowhere"), str(folder)], capsys)
     _assert_one_line(p, "--force")
-    p = _run(seqpar + ["import", str(folder), str(tmp_path / "imp")], tmp_path)
+    p = _cli(["import", str(folder), str(tmp_path / "imp")], capsys)
     _assert_one_line(p, "config.json")
     # a layout the model cannot split: refused naming t and each indivisible size, no figures printed
-    p = _run(seqpar + ["memory", "tiny-cpu", "--tp", "3"], tmp_path)
+    p = _cli(["memory", "tiny-cpu", "--tp", "3"], capsys)
     _assert_one_line(p, "tiny-cpu.yaml", "tensor-parallel size t=3", "heads (4)", "hidden (128)")
     assert "per layer" not in p.stdout, p.stdout
-    p = _run(seqpar + ["plan", "tiny-cpu", "--gpus", "3", "--gpus-per-node", "3", "--gpu", "a100-80gb",
-                       "--global-batch", "3", "--layout", "tp=3"], tmp_path)
+    p = _cli(["plan", "tiny-cpu", "--gpus", "3", "--gpus-per-node", "3", "--gpu", "a100-80gb",
+              "--global-batch", "3", "--layout", "tp=3"], capsys)
     _assert_one_line(p, "layout t=3", "tensor-parallel size t=3", "heads (4)")
 
 
@@ -180,7 +190,7 @@ class _Evil:
         return (os.system, ("echo pwned > pwned.txt",))
 
 
-def test_checkpoints_that_are_unsafe_outside_or_in_use_are_one_line(tmp_path):
+def test_checkpoints_that_are_unsafe_outside_or_in_use_are_one_line(tmp_path, capsys, monkeypatch):
     """A malicious metadata pickle, a shard symlinked outside its folder and a checkpoint dir held by
     another job: each refused in one line naming it, exit 2, through `train` and `generate`."""
     import pickle
@@ -201,12 +211,13 @@ def test_checkpoints_that_are_unsafe_outside_or_in_use_are_one_line(tmp_path):
     outside = tmp_path / "elsewhere.distcp"
     shutil.move(shard, outside)
     shard.symlink_to(outside)
-    p = _run(seqpar + ["generate", str(step), "--tokens", "2"], tmp_path)
+    monkeypatch.chdir(tmp_path)  # where the pickle would write if it ran
+    p = _cli(["generate", str(step), "--tokens", "2"], capsys)
     _assert_one_line(p, "outside the checkpoint folder", shard.name)
     shard.unlink()
     shutil.move(outside, shard)
     (step / ".metadata").write_bytes(pickle.dumps(_Evil()))
-    p = _run(seqpar + ["generate", str(step), "--tokens", "2"], tmp_path)
+    p = _cli(["generate", str(step), "--tokens", "2"], capsys)
     _assert_one_line(p, ".metadata")
     assert not (tmp_path / "pwned.txt").exists()
 
