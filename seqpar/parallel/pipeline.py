@@ -15,7 +15,6 @@ from typing import Literal
 
 import torch
 import torch.nn as nn
-from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from ..distributed.collectives import all_reduce, all_reduce_coalesced
 from ..distributed.grad_sync import sync_sp_replicated_grads
@@ -25,7 +24,7 @@ from ..model.config import GPTConfig
 from .grads import clip_grad_norm, sum_tied_grads, tied_embedding_group
 from .stages import StageModule, build_stage_modules, check_stage_split
 from .state import gather_dense, load_stage_dense, stage_dense
-from .timing import StageTimer, StepTiming, TimedStage, ideal_bubble
+from .timing import StageTimer, StepTiming, ideal_bubble, timed_stage_class
 
 ScheduleName = Literal["1F1B", "Interleaved1F1B", "GPipe"]
 SCHEDULES: tuple[str, ...] = ("1F1B", "Interleaved1F1B", "GPipe")
@@ -141,6 +140,8 @@ class PipelineParallel:
 
     def _build(self, rows: int, seq: int):
         """Stages and schedule for micro-batches of ``rows`` sequences of ``seq`` tokens."""
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        TimedStage = timed_stage_class()
         stages = [TimedStage(part, part.index, self.num_stages, self.mesh.device,
                              input_args=self._example(part, rows, seq, output=False),
                              output_args=self._example(part, rows, seq, output=True),

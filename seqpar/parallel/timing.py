@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from typing import Iterator
 
 import torch
-from torch.distributed.pipelining import PipelineStage
 
 
 def ideal_bubble(pp: int, virtual_stages: int, n_microbatches: int) -> float:
@@ -68,32 +68,41 @@ class StageTimer:
                 self.last = StepTiming(time.perf_counter() - start, self.busy_s)
 
 
-class TimedStage(PipelineStage):
-    """A ``PipelineStage`` that reports the time of each forward and backward chunk to ``timer``.
-    On CUDA a chunk ends with a device synchronize while ``timer.sync_cuda`` is set (a timed
-    step), so the time is the kernels' and not only their launch; the other steps run unsynchronized."""
+@cache
+def timed_stage_class() -> type:
+    """``TimedStage``, a ``PipelineStage`` that reports the time of each forward and backward chunk to
+    ``timer``; built on first use, since ``torch.distributed.pipelining`` loads dynamo, which a run
+    without pipeline stages never needs."""
+    from torch.distributed.pipelining import PipelineStage
 
-    def __init__(self, *args, timer: StageTimer, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.timer = timer
-        self._cuda = torch.device(self.device).type == "cuda"
+    class TimedStage(PipelineStage):
+        """A ``PipelineStage`` that reports the time of each forward and backward chunk to ``timer``.
+        On CUDA a chunk ends with a device synchronize while ``timer.sync_cuda`` is set (a timed
+        step), so the time is the kernels' and not only their launch; the other steps run unsynchronized."""
 
-    @property
-    def _sync(self) -> bool:
-        return self._cuda and self.timer.sync_cuda
+        def __init__(self, *args, timer: StageTimer, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.timer = timer
+            self._cuda = torch.device(self.device).type == "cuda"
 
-    def forward_one_chunk(self, *args, **kwargs):
-        with self.timer.busy():
-            out = super().forward_one_chunk(*args, **kwargs)
-            if self._sync:
-                torch.cuda.synchronize(self.device)
-            return out
+        @property
+        def _sync(self) -> bool:
+            return self._cuda and self.timer.sync_cuda
 
-    def backward_one_chunk(self, *args, **kwargs):
-        with self.timer.busy():
-            out = super().backward_one_chunk(*args, **kwargs)
-            if self._sync:
-                torch.cuda.synchronize(self.device)
-            return out
+        def forward_one_chunk(self, *args, **kwargs):
+            with self.timer.busy():
+                out = super().forward_one_chunk(*args, **kwargs)
+                if self._sync:
+                    torch.cuda.synchronize(self.device)
+                return out
+
+        def backward_one_chunk(self, *args, **kwargs):
+            with self.timer.busy():
+                out = super().backward_one_chunk(*args, **kwargs)
+                if self._sync:
+                    torch.cuda.synchronize(self.device)
+                return out
+
+    return TimedStage
 
 
