@@ -117,10 +117,10 @@ def test_two_all_reduces_per_call(ranks):
             assert r["comm"] == ({"all_reduce": 2} if key[0] == 2 else {}), (rank, key, r["comm"])
 
 
-def test_a_gpt_size_loss_runs_in_a_few_dozen_chunks_not_hundreds():
+def test_a_gpt_size_loss_runs_in_about_a_hundred_chunks_not_hundreds():
     """Each chunk is a few kernels and views: at a 1.3B GPT's step (8192 tokens, v = 50304, bf16)
-    the loss's forward and backward dispatch under two thousand ops, not tens of thousands
-    (1M-element chunks made about 400 chunks per pass). Counted on fake tensors: no memory."""
+    the loss's forward and backward take about 100 chunks per pass (1M-element chunks made about
+    410). Counted on fake tensors: no memory."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -136,4 +136,4 @@ def test_a_gpt_size_loss_runs_in_a_few_dozen_chunks_not_hundreds():
         targets = torch.zeros(2048, 4, dtype=torch.long)
         with Count():  # the autograd function itself: the wrapper's CPU target check reads a value
             cross_entropy._VocabParallelCrossEntropy.apply(logits, targets, None, -100, 0.0, 50304).sum().backward()
-    assert 0 < Count.ops <= 3000, Count.ops  # 25 chunks per pass: 1,746 ops, views included (27,156 before)
+    assert 0 < Count.ops <= 8000, Count.ops  # 103 chunks per pass: 6,630 ops, views included (27,156 before)
