@@ -13,7 +13,9 @@ Composed from :mod:`seqpar.memory`, which holds every byte formula:
   §4.2.3's L (1 + (p-1)/(pm))). §4.3's terms (:func:`seqpar.memory.whole_model.outside_terms`):
   the embedding-dropout mask for each micro-batch the first model chunk holds at the peak
   (:func:`seqpar.memory.schedule.first_chunk_in_flight`) on the first stage; final LayerNorm
-  input, output-layer input and fp32 logits on the last.
+  input, output-layer input and what the cross-entropy keeps on the last: the logits in their own
+  dtype (``2sbv/t`` in bf16, not the paper's fp32 ``4sbv/t``) and 8 bytes a token (its fp32
+  log-sum-exp and int32 target code; :func:`seqpar.memory.formulas.cross_entropy_terms`).
 * Backward transient (:mod:`seqpar.memory.transient`): the gradients flowing back through one
   layer, at most that layer's stored activations for one micro-batch, plus, while a checkpointed
   unit is recomputed, its activations again (N layers under full recompute, the attention scores
