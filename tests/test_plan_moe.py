@@ -39,6 +39,8 @@ def test_state_bytes_count_e_over_ep_experts_as_the_built_model_holds_them():
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert experts == 2 * 4 * 768  # two MoE layers of four experts
     total = model.num_parameters(dense=False)
+    layer = [sum(p.numel() for p in block.parameters()) for block in model.blocks]  # dense, MoE, MoE
+    root = total - sum(layer)
     for ep in (1, 2, 4):
         assert expert_params(cfg, 1, ep=ep) == experts // ep == 2 * (4 // ep) * 768
         assert stage_params(cfg, t=1, ep=ep) == total - experts + experts // ep
@@ -47,10 +49,13 @@ def test_state_bytes_count_e_over_ep_experts_as_the_built_model_holds_them():
         assert ddp["state_during_step"] == 4 * (total - experts + experts // ep)
         fsdp = state_parts(cfg, Layout(1, 1, 4, data_parallel="fsdp", ep=ep), 0, "bf16")
         edp = 4 // ep  # the experts shard over the expert-data-parallel ranks, the rest over dp
-        if edp > 1:
-            assert fsdp["optimizer"] == pytest.approx(8 * ((total - experts) / 4 + experts / ep / edp))
-        else:  # edp = 1: the experts stay whole on their rank
-            assert fsdp["optimizer"] == pytest.approx(8 * ((total - experts) / 4 + experts / ep))
+        mine = experts // ep // (edp if edp > 1 else 1)  # edp = 1: the experts stay whole on their rank
+        assert fsdp["optimizer"] == pytest.approx(8 * ((total - experts) / 4 + mine))
+        # gathered during a step: bf16 copy + fp32 gradient of two units (the largest layer without its
+        # experts, and one MoE layer's experts) and the root; edp = 1: the experts' bf16 copies instead
+        unit = max(layer[0], layer[1] - experts // 2)
+        gathered = 6 * (2 * unit + root) + (6 * 2 * experts // 2 // ep if edp > 1 else 4 * experts // ep)
+        assert fsdp["state_during_step"] == gathered
 
 
 def test_all_to_all_bytes_are_tokens_times_k_h_a_times_the_share_that_leaves():

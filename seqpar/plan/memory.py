@@ -76,9 +76,11 @@ def unit_params(model: GPTConfig, t: int, ep: int = 1) -> tuple[int, int]:
     FSDP2 units gathered during a step (a dense model: one layer, 0)."""
     if model.moe is None:
         return layer_params(model, t), 0
-    i = next(i for i in range(model.layers) if model.moe.is_moe_layer(i))
-    experts = expert_params(model, t, pp=model.layers, stage=i, ep=ep)  # one layer per "stage": layer i
-    return max(layer_params(model, t), layer_params(model, t, layer=i, ep=ep) - experts), experts
+    kinds = [next((i for i in range(model.layers) if model.moe.is_moe_layer(i) == moe), None) for moe in (False, True)]
+    dense, first_moe = kinds
+    experts = expert_params(model, t, pp=model.layers, stage=first_moe, ep=ep)  # one layer per "stage": that one
+    other = layer_params(model, t, layer=first_moe, ep=ep) - experts
+    return max(other, layer_params(model, t, layer=dense) if dense is not None else 0), experts
 
 
 _PER_LAYER_CACHE: dict[tuple, dict[RecomputeMode, int]] = {}

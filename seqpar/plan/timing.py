@@ -19,6 +19,10 @@ One layer, one micro-batch, one GPU (:func:`layer_times`):
   plus a fixed latency per exposed collective (``GPU.collective_latency``).
 * Recompute: selective repeats the attention core's GEMMs, softmax and dropout; full repeats the
   whole forward, its collectives included.
+* An MoE layer (:mod:`seqpar.plan.experts`): the router, ``k`` experts per token and the shared
+  experts instead of the MLP, its row permutations, and four all-to-alls over ep (dispatch and
+  combine, forward and backward), exposed. An MoE model's layer is the mean over its dense and MoE
+  layers; the all-to-alls are reported as their own part of the step (``all_to_all``, with ep > 1).
 
 One step (:func:`step_time`): ``n`` micro-batches at the pace of the slowest stage, the last (its
 layers, the logits and cross-entropy, 2m point-to-point exchanges of ``[s/t, b, h]`` with their
@@ -27,10 +31,11 @@ stages' time per micro-batch, i.e. ``(p-1)/(m n)`` of the ideal time; the gradie
 (fp32) over the dp x cp ranks (one collective: the CP ranks' shares summed, dp averaged) minus the
 backward of the last micro-batch it overlaps (DDP buckets; pipeline stages reduce after the
 schedule, nothing hidden), or FSDP's per-micro-batch gathers and reduce-scatters over dp x cp
-beyond the compute they overlap;
-and the optimizer step, memory-bound at :data:`OPTIMIZER_BYTES_PER_PARAM`. Left out: host-side
+beyond the compute they overlap (an MoE model's routed experts: over their dp x cp / ep
+expert-data-parallel ranks, after the rest); and the optimizer step, memory-bound at :data:`OPTIMIZER_BYTES_PER_PARAM`. Left out: host-side
 launch overhead, the vocabulary-parallel cross-entropy's small all-reduces, the embedding
-gradient, and accumulating each micro-batch's weight gradients into fp32 (fused into the
+gradient, an MoE layer's uneven load (the time model routes every expert ``m / E`` rows), its
+host read of the counts and the routing statistics' small all-reduces, and accumulating each micro-batch's weight gradients into fp32 (fused into the
 weight-gradient GEMM as in the paper's implementation; seqpar's bf16 recipe adds a separate pass).
 
 Calibration: the two GEMM constants of :mod:`seqpar.plan.gpus` were fitted once, to Table 4 only
@@ -69,6 +74,7 @@ class LayerTimes:
     recompute: dict[Mode, float]  # extra backward time per recompute mode
     tp_comm: float                # exposed TP communication in forward + backward (part of the above)
     ep_comm: float = 0.0          # the MoE layers' all-to-alls over ep, forward + backward (part of the above)
+    ep_forward: float = 0.0       # their forward share (a full recompute repeats it)
 
 
 def _elementwise_bytes(model: GPTConfig, layout: Layout, u: float,
@@ -151,7 +157,7 @@ def _layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str, gpu
         return sum(w * get(lt) for w, lt in kinds) / model.layers
     return LayerTimes(mean(lambda x: x.forward), mean(lambda x: x.backward),
                       {m: mean(lambda x: x.recompute[m]) for m in kinds[0][1].recompute},
-                      mean(lambda x: x.tp_comm), mean(lambda x: x.ep_comm))
+                      mean(lambda x: x.tp_comm), mean(lambda x: x.ep_comm), mean(lambda x: x.ep_forward))
 
 
 def _one_layer(model: GPTConfig, layout: Layout, gpu: GPU, precision: str, gpus_per_node: int,
@@ -183,7 +189,7 @@ def _one_layer(model: GPTConfig, layout: Layout, gpu: GPU, precision: str, gpus_
     backward = dense_b + core_b + other_b + score_b + comm_b
     # under cp, selective is the CP kernel itself (already counted in backward): nothing more
     recompute = {"none": 0.0, "selective": core_f + score_f if layout.cp == 1 else 0.0, "full": forward}
-    return LayerTimes(forward, backward, recompute, comm_f + comm_b - ep_f - ep_b, ep_f + ep_b)
+    return LayerTimes(forward, backward, recompute, comm_f + comm_b - ep_f - ep_b, ep_f + ep_b, ep_f)
 
 
 @dataclass(frozen=True)
@@ -266,10 +272,12 @@ def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpu
     fsdp = layout.data_parallel == "fsdp"
     dense, experts = _stage_params(model, layout)
     params = dense / (layout.dp * layout.cp if fsdp else 1) + (experts / layout.edp if fsdp else experts)
-    parts = {"layers": n * layers_mb, "logits": n * logits_mb, "p2p": n * p2p_mb,
-             "bubble": (layers_mb + p2p_mb) * (p - 1) / m,  # filling and draining the other stages
-             "data_parallel": _data_parallel_seconds(model, layout, gpu, gpus_per_node, mb, backward_mb, n),
-             "optimizer": memory_seconds(gpu, params * OPTIMIZER_BYTES_PER_PARAM[precision])}
+    a2a_mb = sum(counts.values()) * lt.ep_comm + counts["full"] * lt.ep_forward  # the layers' all-to-alls
+    parts = {"layers": n * (layers_mb - a2a_mb)} | ({"all_to_all": n * a2a_mb} if a2a_mb else {})
+    parts |= {"logits": n * logits_mb, "p2p": n * p2p_mb,
+              "bubble": (layers_mb + p2p_mb) * (p - 1) / m,  # filling and draining the other stages
+              "data_parallel": _data_parallel_seconds(model, layout, gpu, gpus_per_node, mb, backward_mb, n),
+              "optimizer": memory_seconds(gpu, params * OPTIMIZER_BYTES_PER_PARAM[precision])}
     layer, core = _layer_flops(model, b), flops.config_core_forward_flops(model, B=b)
     per_micro = flops.config_model_flops(model, B=b, t=t)
     recomputed = p * (counts["selective"] * core + counts["full"] * layer)
