@@ -124,3 +124,21 @@ def test_one_ep_layout_prints_ep_in_its_label_and_the_overrides_name_it(capsys):
         assert f"parallel.ep={ep}" in items
     assert not any("parallel.ep" in i for i in overrides(Layout(4, 1, 16), dataclasses.replace(tiny(), moe=None),
                                                          64, "bf16")[0])
+
+
+def test_per_kind_counts_equal_the_per_layer_sums_and_the_trainers_flops():
+    from seqpar import flops
+    from seqpar.memory.params import layer_params, root_params
+    from seqpar.plan.timing import step_time
+    cfg = dataclasses.replace(tiny(every=2, shared_experts=1, router="sigmoid"), layers=8)  # MoE: layers 1, 3, 5, 7
+    for pp in (1, 2, 4):
+        for stage in range(pp):
+            ids = range(stage * 8 // pp, (stage + 1) * 8 // pp)
+            for ep in (1, 2):
+                layers = sum(layer_params(cfg, 1, layer=i, ep=ep) for i in ids)
+                ends = root_params(cfg, 1, first=stage == 0, last=stage == pp - 1, pp=pp)
+                assert stage_params(cfg, t=1, pp=pp, stage=stage, ep=ep) == layers + ends
+    assert flops.layers_forward_flops(cfg, B=2) == sum(flops.config_layer_forward_flops(cfg, B=2, layer=i)
+                                                         for i in range(8))
+    plan = step_time(cfg, Layout(1, 1, 4, micro_batch=2, ep=2), H100, global_batch=16)
+    assert plan.model_flops == flops.step_model_flops(cfg, sequences=16)  # what the Trainer's MFU divides by
