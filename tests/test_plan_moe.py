@@ -142,3 +142,17 @@ def test_per_kind_counts_equal_the_per_layer_sums_and_the_trainers_flops():
                                                          for i in range(8))
     plan = step_time(cfg, Layout(1, 1, 4, micro_batch=2, ep=2), H100, global_batch=16)
     assert plan.model_flops == flops.step_model_flops(cfg, sequences=16)  # what the Trainer's MFU divides by
+
+
+def test_recompute_auto_plans_the_runs_ep():
+    from seqpar.errors import UserError
+    from seqpar.memory.formulas import load_sections
+    from seqpar.plan.recompute import auto_recompute_layers
+    need = {}
+    for ep in (1, 8):
+        _, s = load_sections("mixtral-8x7b", ["parallel.pp=1", "parallel.dp=8", f"parallel.ep={ep}",
+                                              "parallel.data_parallel=ddp"])
+        with pytest.raises(UserError, match=f"t=4 p=1 m=1 dp=8 {'ep=8 ' if ep > 1 else ''}b=1") as err:
+            auto_recompute_layers(s["model"], s["parallel"], s["train"], 30)
+        need[ep] = float(re.search(r"smallest that fits is ([\d.]+) GiB", str(err.value)).group(1))
+    assert need[1] > need[8] + 50  # ddp: every expert of every layer on each rank, or one of eight
