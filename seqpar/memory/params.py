@@ -95,7 +95,8 @@ def stage_params(model: GPTConfig, *, t: int, pp: int = 1, stage: int = 0, ep: i
     dp sharding: its ``L/pp`` layers plus the ends of the model it holds."""
     per = model.layers // pp
     n_moe = moe_layers_in(model, stage * per, (stage + 1) * per)
-    layers = (per - n_moe) * _kind_params(model, t, False, ep) + (n_moe * _kind_params(model, t, True, ep) if n_moe else 0)
+    layers = (per - n_moe) * _kind_params(model, t, False, ep)
+    layers += n_moe * _kind_params(model, t, True, ep) if n_moe else 0
     return layers + root_params(model, t, first=stage == 0, last=stage == pp - 1, pp=pp)
 
 

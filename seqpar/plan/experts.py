@@ -56,7 +56,8 @@ def moe_gemms(model: GPTConfig, layout: Layout, gpu: GPU, peak_scale: float) -> 
     column = 1 if moe.expert_tp and t > 1 else None
     if moe.shared_experts:
         sb, fs = model.seq_len // layout.cp * layout.micro_batch, moe.shared_experts * moe.expert_ffn(model.ffn_hidden)
-        out += [gemm_fwd_bwd(gpu, sb, gated * fs // t, h, 1, peak_scale), gemm_fwd_bwd(gpu, sb, h, fs // t, 1, peak_scale)]
+        out += [gemm_fwd_bwd(gpu, sb, gated * fs // t, h, 1, peak_scale),
+                gemm_fwd_bwd(gpu, sb, h, fs // t, 1, peak_scale)]
         column = 3
     return out, column
 

@@ -32,11 +32,13 @@ stages' time per micro-batch, i.e. ``(p-1)/(m n)`` of the ideal time; the gradie
 backward of the last micro-batch it overlaps (DDP buckets; pipeline stages reduce after the
 schedule, nothing hidden), or FSDP's per-micro-batch gathers and reduce-scatters over dp x cp
 beyond the compute they overlap (an MoE model's routed experts: over their dp x cp / ep
-expert-data-parallel ranks, after the rest); and the optimizer step, memory-bound at :data:`OPTIMIZER_BYTES_PER_PARAM`. Left out: host-side
-launch overhead, the vocabulary-parallel cross-entropy's small all-reduces, the embedding
-gradient, an MoE layer's uneven load (the time model routes every expert ``m / E`` rows), its
-host read of the counts and the routing statistics' small all-reduces, and accumulating each micro-batch's weight gradients into fp32 (fused into the
-weight-gradient GEMM as in the paper's implementation; seqpar's bf16 recipe adds a separate pass).
+expert-data-parallel ranks, after the rest); and the optimizer step, memory-bound at
+:data:`OPTIMIZER_BYTES_PER_PARAM`. Left out: host-side launch overhead, the vocabulary-parallel
+cross-entropy's small all-reduces, the embedding gradient, an MoE layer's uneven load (the time
+model routes every expert ``m / E`` rows), its host read of the counts and the routing
+statistics' small all-reduces, and accumulating each micro-batch's weight gradients into fp32
+(fused into the weight-gradient GEMM as in the paper's implementation; seqpar's bf16 recipe adds
+a separate pass).
 
 Calibration: the two GEMM constants of :mod:`seqpar.plan.gpus` were fitted once, to Table 4 only
 (:mod:`seqpar.plan.calibrate`); Table 5's eight iteration times and four MFUs are predictions.
