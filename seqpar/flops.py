@@ -119,7 +119,19 @@ def config_model_flops(cfg: GPTConfig, *, B: int, t: int = 1) -> int:
     of ``cfg.seq_len`` tokens: 3 x (L x layer forward + logits), the logits over the vocabulary
     padded for TP size ``t``. The whole model's: each of ``t`` ranks executes ``1/t`` of it."""
     _, _, logits = _config_parts(cfg, B, t)
-    return 3 * (sum(config_layer_forward_flops(cfg, B=B, layer=i) for i in range(cfg.layers)) + logits)
+    return 3 * (layers_forward_flops(cfg, B=B) + logits)
+
+
+def layers_forward_flops(cfg: GPTConfig, *, B: int) -> int:
+    """Forward FLOPs of all ``cfg.layers`` layers for ``B`` sequences: the dense layers' and the MoE
+    layers' (:func:`config_layer_forward_flops`), each kind counted once and multiplied."""
+    n_moe = cfg.moe.moe_layer_count(cfg.layers) if cfg.moe is not None else 0
+    dense = decoder_layer_forward_flops(B=B, s=cfg.seq_len, h=cfg.hidden, heads=cfg.heads, kv_heads=cfg.kv_heads,
+                                        ffn_hidden=cfg.ffn_hidden, mlp=cfg.mlp)
+    if not n_moe:
+        return cfg.layers * dense
+    moe_layer = next(i for i in range(cfg.layers) if cfg.moe.is_moe_layer(i))
+    return (cfg.layers - n_moe) * dense + n_moe * config_layer_forward_flops(cfg, B=B, layer=moe_layer)
 
 
 def config_hardware_flops(cfg: GPTConfig, *, B: int, t: int = 1, recompute: Recompute | None = None) -> int:

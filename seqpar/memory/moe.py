@@ -96,4 +96,15 @@ def all_to_all_bytes(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, ep: in
     return {"counts": ep * cfg.moe.experts * 8, "forward_rows": ep * 2 * rows, "backward_rows": ep * 2 * rows}
 
 
-__all__ = ["all_to_all_bytes", "moe_ffn_terms"]
+def all_to_all_wire_bytes(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, ep: int) -> Fraction:
+    """Bytes one rank sends to the other ranks in ONE row all-to-all of one MoE layer and micro-batch
+    (dispatch or combine: forward runs two, backward two, a full recompute's second forward two
+    more), dropless with an even load: its ``n k`` rows of ``h``
+    elements (:func:`all_to_all_bytes`' ``forward_rows / (2 ep)``) of which ``(ep-1)/ep`` leave it,
+    ``n k h a (ep-1)/ep`` with ``n`` the tokens it routes (``s b / t`` under SP, ``s b`` without or
+    under expert-TP)."""
+    rows = all_to_all_bytes(cfg, s=s, b=b, t=t, act=act, ep=ep)["forward_rows"]
+    return Fraction(rows, 2 * ep) * Fraction(ep - 1, ep)
+
+
+__all__ = ["all_to_all_bytes", "all_to_all_wire_bytes", "moe_ffn_terms"]

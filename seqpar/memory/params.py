@@ -32,14 +32,25 @@ def layer_params(model: GPTConfig, t: int, *, layer: int = 0, ep: int = 1) -> in
     """Parameters of transformer layer ``layer`` held by one TP rank (of ``ep`` expert-parallel
     ranks): an MoE layer holds, instead of the MLP, the router ``E h`` (with the sigmoid router's
     bias ``E``), its ``E/ep`` experts whole (replicated over TP) and the shared experts split ``t`` ways."""
+    return _kind_params(model, t, model.moe is not None and model.moe.is_moe_layer(layer), ep)
+
+
+def _kind_params(model: GPTConfig, t: int, moe: bool, ep: int) -> int:
+    """:func:`layer_params` of a dense (``moe`` False) or an MoE layer."""
     h, f = model.hidden, model.ffn_hidden
     qkv, fc1 = qkv_width(model, t), fc1_width(model)
-    moe = model.moe is not None and model.moe.is_moe_layer(layer)
     mlp = 0 if moe else h * fc1 + f * h
     weights = (h * qkv + h * h + mlp) // t
     biases = (qkv + (0 if moe else fc1)) // t + (1 if moe else 2) * h if model.bias else 0  # column split, row whole
     norms = 2 * norm_params(model) + (2 * model.head_dim if model.qk_norm else 0)
     return weights + biases + norms + (moe_ffn_params(model, t, ep) if moe else 0)
+
+
+def moe_layers_in(model: GPTConfig, begin: int, end: int) -> int:
+    """How many of layers ``begin ... end - 1`` have an MoE FFN (0 for a dense model)."""
+    if model.moe is None:
+        return 0
+    return model.moe.moe_layer_count(end) - model.moe.moe_layer_count(begin)
 
 
 def moe_ffn_params(model: GPTConfig, t: int, ep: int = 1) -> int:
@@ -51,6 +62,20 @@ def moe_ffn_params(model: GPTConfig, t: int, ep: int = 1) -> int:
     experts = moe.experts // ep * (gated + 1) * f * h // (t if moe.expert_tp else 1)  # expert-TP: f/t each
     shared = moe.shared_experts * f * (gated + 1) * h // t
     return router + experts + shared
+
+
+def expert_params(model: GPTConfig, t: int, *, pp: int = 1, stage: int = 0, ep: int = 1) -> int:
+    """Parameters of the routed experts held by one GPU of pipeline stage ``stage`` (part of
+    :func:`stage_params`): ``E/ep`` experts of ``(gated + 1) f h`` each per MoE layer (``/t`` under
+    expert-TP); the ones reduced, and sharded under FSDP2, over the expert-data-parallel ranks."""
+    moe = model.moe
+    if moe is None:
+        return 0
+    per = model.layers // pp
+    layers = moe_layers_in(model, stage * per, (stage + 1) * per)
+    gated = 2 if model.mlp == "swiglu" else 1
+    f = moe.expert_ffn(model.ffn_hidden)
+    return layers * (moe.experts // ep * (gated + 1) * f * model.hidden // (t if moe.expert_tp else 1))
 
 
 def root_params(model: GPTConfig, t: int, *, first: bool = True, last: bool = True, pp: int = 1) -> int:
@@ -69,8 +94,11 @@ def stage_params(model: GPTConfig, *, t: int, pp: int = 1, stage: int = 0, ep: i
     """Parameters held by one GPU of pipeline stage ``stage`` (0 = first) of ``pp``, before any
     dp sharding: its ``L/pp`` layers plus the ends of the model it holds."""
     per = model.layers // pp
-    layers = sum(layer_params(model, t, layer=i, ep=ep) for i in range(stage * per, (stage + 1) * per))
+    n_moe = moe_layers_in(model, stage * per, (stage + 1) * per)
+    layers = (per - n_moe) * _kind_params(model, t, False, ep)
+    layers += n_moe * _kind_params(model, t, True, ep) if n_moe else 0
     return layers + root_params(model, t, first=stage == 0, last=stage == pp - 1, pp=pp)
 
 
-__all__ = ["fc1_width", "layer_params", "moe_ffn_params", "norm_params", "qkv_width", "root_params", "stage_params"]
+__all__ = ["expert_params", "fc1_width", "layer_params", "moe_ffn_params", "moe_layers_in", "norm_params", "qkv_width",
+           "root_params", "stage_params"]

@@ -113,7 +113,7 @@ def _output_copy(cfg: GPTConfig, *, sbh: Fraction, b: int, t: int, act: int, dev
 
 
 def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: bool,
-                device: str = "cuda", cp: int = 1, moe: bool = False) -> dict[str, Fraction]:
+                device: str = "cuda", cp: int = 1, moe: bool = False, ep: int = 1) -> dict[str, Fraction]:
     """One layer's kept tensors in bytes as this config runs it on ``device``: Table 2's terms
     (:func:`seqpar.memory.formulas.activation_breakdown`'s names) at ``act``-byte activations, the
     dropout masks (1 byte) only with dropout; without selective recompute, what the attention
@@ -121,7 +121,8 @@ def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: 
     ones only with attention dropout). ``cp > 1``: ``s`` is one CP rank's tokens and the core is
     the context-parallel kernel's (Table 2's selective terms and the log-sum-exp, in any mode).
     ``moe``: an MoE layer, whose FFN keeps :func:`seqpar.memory.moe.moe_ffn_terms` instead of the
-    MLP's fc1 input, activation input and fc2 input."""
+    MLP's fc1 input, activation input and fc2 input, over ``ep`` expert-parallel ranks (an even
+    load: each rank receives as many rows as it sends)."""
     sbh, scores = Fraction(s * b * cfg.hidden), Fraction(cfg.heads * s * s * b)
     rep = t if cfg.sequence_parallel else 1  # the terms plain TP leaves replicated: SP splits them too
     u = Fraction(act, 2)  # Table 2 counts 2-byte activations
@@ -135,7 +136,7 @@ def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: 
     if moe:
         for name in ("fc1_input", "gelu_input", "swiglu_gate_up", "fc2_input"):
             terms.pop(name, None)
-        terms.update(moe_ffn_terms(cfg, s=s, b=b, t=t, act=act, device=device))
+        terms.update(moe_ffn_terms(cfg, s=s, b=b, t=t, act=act, ep=ep, device=device))
     if cp > 1:  # fp32 log-sum-exp [b, a/t, s/cp]; no s x s term in any mode
         terms["attention_logsumexp"] = 4 * cfg.heads * (sbh / cfg.hidden) / t
     elif not selective:
@@ -156,13 +157,14 @@ def outside_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, in_flight
 
 
 def layer_bytes(cfg: GPTConfig, mode: str, *, s: int, b: int, t: int, act: int, device: str = "cuda",
-                cp: int = 1, moe: bool = False) -> Fraction:
+                cp: int = 1, moe: bool = False, ep: int = 1) -> Fraction:
     """Bytes one layer of ``cfg`` keeps for one micro-batch under recompute ``mode`` on ``device``;
     ``full``: the input of a checkpointed unit (one per unit, however many layers it holds).
-    ``cp``: context parallelism, ``s`` being one CP rank's tokens."""
+    ``cp``: context parallelism, ``s`` being one CP rank's tokens; ``ep``: expert parallelism."""
     if mode == "full":
         return Fraction(s * b * cfg.hidden * act, t if cfg.sequence_parallel else 1)
-    terms = layer_terms(cfg, s=s, b=b, t=t, act=act, selective=mode == "selective", device=device, cp=cp, moe=moe)
+    terms = layer_terms(cfg, s=s, b=b, t=t, act=act, selective=mode == "selective", device=device, cp=cp, moe=moe,
+                        ep=ep)
     return sum(terms.values(), Fraction(0))
 
 

@@ -102,7 +102,7 @@ def _config_layout(sections: dict, problem: Problem) -> Layout:
     dp = par.dp or max(1, problem.gpus // (par.tp * par.pp))
     mode = par.data_parallel_mode(dp) if hasattr(par, "data_parallel_mode") else "ddp"
     layout = Layout(par.tp, par.pp, dp, par.virtual_stages, train.micro_batch,
-                    model.sequence_parallel and par.tp > 1, data_parallel=mode)
+                    model.sequence_parallel and par.tp > 1, data_parallel=mode, ep=getattr(par, "ep", 1))
     budget = problem.budget / GIB
     return replace(layout, recompute=_config_recompute(sections, layout, budget, problem.precision,
                                                        problem.global_batch))

@@ -1,4 +1,4 @@
-"""A layout: how one model is laid out on a cluster (t, p, m, dp, cp, micro-batch, SP, recompute).
+"""A layout: how one model is laid out on a cluster (t, p, m, dp, cp, ep, micro-batch, SP, recompute).
 
 Recompute is either uniform (``none``, ``selective`` or ``full`` with its method and N, as
 ``model.recompute`` takes it) or ``mixed``: a count of layers per mode for every pipeline stage
@@ -63,6 +63,12 @@ class Layout:
     recompute: Recompute = Recompute()
     data_parallel: DataParallelMode = "ddp"
     cp: int = 1                  # context parallelism: each sequence over cp ranks (s/cp each)
+    ep: int = 1                  # expert parallelism (MoE only): each MoE layer's experts over ep of the dp x cp ranks
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel ranks: those of dp x cp holding the same experts (dp x cp / ep)."""
+        return self.dp * self.cp // self.ep
 
     @property
     def gpus(self) -> int:
@@ -78,6 +84,7 @@ class Layout:
         fsdp = self.data_parallel == "fsdp" and self.dp * self.cp > 1  # FSDP2 shards over dp x cp
         dp = f"dp={self.dp}" + ("(fsdp)" if fsdp else "")
         dp += f" cp={self.cp}" if self.cp > 1 else ""
+        dp += f" ep={self.ep}" if self.ep > 1 else ""
         return (f"t={self.tp} p={self.pp} m={self.virtual_stages} {dp} b={self.micro_batch} "
                 f"sp={'on' if self.sequence_parallel else 'off'} rc={self.recompute.label()}")
 
@@ -94,7 +101,7 @@ def micro_batches(layout: Layout, global_batch: int) -> int:
 def check_layout(layout: Layout, model: GPTConfig, gpus: int, global_batch: int, gpus_per_node: int) -> None:
     """Raise :class:`~seqpar.errors.UserError` naming the offending values if ``layout`` cannot
     run ``model``."""
-    problems = _context_problems(layout, model)
+    problems = _context_problems(layout, model) + _expert_problems(layout, model)
     if layout.gpus != gpus:
         cp = f" x cp={layout.cp}" if layout.cp > 1 else ""
         problems.append(f"tp x pp x dp{cp} = {layout.tp} x {layout.pp} x {layout.dp}{cp} = {layout.gpus} != --gpus {gpus}")
@@ -143,8 +150,26 @@ def _context_problems(layout: Layout, model: GPTConfig) -> list[str]:
     return problems
 
 
+def _expert_problems(layout: Layout, model: GPTConfig) -> list[str]:
+    """What expert parallelism refuses, as the run config does (:mod:`seqpar.config.schema`)."""
+    if layout.ep == 1:
+        return []
+    if model.moe is None:
+        return [f"ep={layout.ep} splits experts, but the model has none (model.moe is not set)"]
+    problems = []
+    if model.moe.experts % layout.ep:
+        problems.append(f"ep={layout.ep} does not divide the {model.moe.experts} experts of model.moe.experts")
+    if (layout.dp * layout.cp) % layout.ep:
+        problems.append(f"ep={layout.ep} does not divide dp x cp = {layout.dp} x {layout.cp} = {layout.dp * layout.cp}")
+    if layout.pp > 1:
+        problems.append(f"ep={layout.ep} with pp={layout.pp} is not supported (pipeline stages reduce their "
+                        f"gradients over dp themselves, not the experts' over edp)")
+    return problems
+
+
 def run_layout(model: GPTConfig, *, tp: int, pp: int, dp: int, virtual_stages: int, micro_batch: int,
-               data_parallel: DataParallelMode, cp: int = 1, stage_layers: list[int] | None = None) -> Layout:
+               data_parallel: DataParallelMode, cp: int = 1, stage_layers: list[int] | None = None,
+               ep: int = 1) -> Layout:
     """The layout a resolved run trains with (``stage_layers``: the layers of the stage whose
     per-layer recompute modes count, when ``model.recompute_layers`` is set)."""
     modes = model.recompute_layers
@@ -154,10 +179,11 @@ def run_layout(model: GPTConfig, *, tp: int, pp: int, dp: int, virtual_stages: i
     else:
         recompute = Recompute(model.recompute, model.recompute_method, model.recompute_num_layers)
     return Layout(tp, pp, dp, virtual_stages, micro_batch, model.sequence_parallel and tp > 1, recompute,
-                  data_parallel if dp > 1 else "ddp", cp)
+                  data_parallel if dp > 1 else "ddp", cp, ep)
 
 
-_KEYS = {"tp": int, "cp": int, "pp": int, "dp": int, "virtual_stages": int, "micro_batch": int, "sequence_parallel": bool,
+_KEYS = {"tp": int, "cp": int, "ep": int, "pp": int, "dp": int, "virtual_stages": int, "micro_batch": int,
+         "sequence_parallel": bool,
          "recompute": str, "recompute_method": str, "recompute_num_layers": int, "data_parallel": str}
 
 
@@ -182,7 +208,8 @@ def parse_layout(text: str, gpus: int) -> Layout:
     """``tp=8,pp=8,virtual_stages=3,micro_batch=1,sequence_parallel=true,recompute=selective`` -> Layout.
 
     ``dp`` defaults to ``gpus / (tp * pp)``; recompute is ``none|selective|full``, with
-    ``recompute_method`` and ``recompute_num_layers`` for full; ``data_parallel`` is ``ddp|fsdp``.
+    ``recompute_method`` and ``recompute_num_layers`` for full; ``data_parallel`` is ``ddp|fsdp``;
+    ``ep`` (MoE models) splits the experts over that many of the dp x cp ranks.
     """
     values: dict = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
@@ -204,7 +231,7 @@ def parse_layout(text: str, gpus: int) -> Layout:
     dpm = values.get("data_parallel", "ddp")
     if dpm not in DATA_PARALLEL_MODES:
         raise UserError(f"--layout data_parallel={dpm!r}: expected one of {list(DATA_PARALLEL_MODES)}")
-    return Layout(tp=tp, pp=pp, dp=values.get("dp", gpus // (tp * pp * cp)), cp=cp,
+    return Layout(tp=tp, pp=pp, dp=values.get("dp", gpus // (tp * pp * cp)), cp=cp, ep=values.get("ep", 1),
                   virtual_stages=values.get("virtual_stages", 1), micro_batch=values.get("micro_batch", 1),
                   sequence_parallel=values.get("sequence_parallel", tp > 1),
                   recompute=Recompute(kind, method, values.get("recompute_num_layers", 1)), data_parallel=dpm)

@@ -5,7 +5,9 @@ Composed from :mod:`seqpar.memory`, which holds every byte formula:
 * Parameters per TP rank: :func:`seqpar.memory.params.stage_params`.
 * Training state (``parameters``, ``gradients``, ``optimizer`` kept across steps and
   ``state_during_step``): :func:`seqpar.memory.state.training_state_bytes` for ``precision`` x
-  ``data_parallel``; the same figures ``seqpar memory CONFIG --dp N`` prints.
+  ``data_parallel``; the same figures ``seqpar memory CONFIG --dp N`` prints. An MoE model's rank
+  holds ``E/ep`` routed experts per MoE layer, sharded under FSDP2 over the ``dp x cp / ep``
+  expert-data-parallel ranks (:func:`state_parts`).
 * Activations: Table 2's per-layer bytes as this config runs them
   (:func:`seqpar.memory.whole_model.layer_bytes`, one layer per recompute mode) for every layer
   the stage holds in flight (:func:`seqpar.memory.schedule.in_flight_per_layer`: stage r of a
@@ -28,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..memory.params import layer_params, root_params, stage_params
+from ..memory.params import expert_params, layer_params, root_params, stage_params
 from ..memory.schedule import first_chunk_in_flight, in_flight_per_layer
 from ..memory.state import state_bytes_per_parameter, training_state_bytes
 from ..memory.transient import backward_transient_bytes, context_block_bytes
@@ -53,14 +55,34 @@ STATE_PARTS = ("parameters", "gradients", "optimizer", "state_during_step")
 
 
 def state_parts(model: GPTConfig, layout: Layout, stage: int, precision: str) -> dict[str, float]:
-    """Training-state bytes of one GPU of pipeline stage ``stage``, by :data:`STATE_PARTS`."""
+    """Training-state bytes of one GPU of pipeline stage ``stage``, by :data:`STATE_PARTS`. An MoE
+    model's routed experts (``E/ep`` per MoE layer, :func:`expert_params`) shard under FSDP2 over the
+    expert-data-parallel ranks (an FSDP unit of their own per layer), everything else over dp x cp."""
     t, p, shards = layout.tp, layout.pp, layout.dp * layout.cp  # FSDP2 shards over dp x cp
+    experts = expert_params(model, t, pp=p, stage=stage, ep=layout.ep)
+    dense_unit, expert_unit = unit_params(model, t, layout.ep)
     per = state_bytes_per_parameter(precision, layout.data_parallel, dp=shards)
-    b = training_state_bytes(per, params=stage_params(model, t=t, pp=p, stage=stage),
-                             unit_params=layer_params(model, t), dp=shards,
+    b = training_state_bytes(per, params=stage_params(model, t=t, pp=p, stage=stage, ep=layout.ep) - experts,
+                             unit_params=dense_unit, dp=shards,
                              root=root_params(model, t, first=stage == 0, last=stage == p - 1, pp=p))
+    if experts:
+        per_e = state_bytes_per_parameter(precision, layout.data_parallel, dp=layout.edp)
+        e = training_state_bytes(per_e, params=experts, unit_params=expert_unit, root=0, dp=layout.edp)
+        b = {k: v + e[k] for k, v in b.items()}
     return {"parameters": b["parameters"], "gradients": b["gradients"], "optimizer": b["optimizer"],
             "state_during_step": b["step_transient"]}
+
+
+def unit_params(model: GPTConfig, t: int, ep: int = 1) -> tuple[int, int]:
+    """(largest layer less its routed experts, one MoE layer's routed experts) on one rank: the
+    FSDP2 units gathered during a step (a dense model: one layer, 0)."""
+    if model.moe is None:
+        return layer_params(model, t), 0
+    kinds = [next((i for i in range(model.layers) if model.moe.is_moe_layer(i) == moe), None) for moe in (False, True)]
+    dense, first_moe = kinds
+    experts = expert_params(model, t, pp=model.layers, stage=first_moe, ep=ep)  # one layer per "stage": that one
+    other = layer_params(model, t, layer=first_moe, ep=ep) - experts
+    return max(other, layer_params(model, t, layer=dense) if dense is not None else 0), experts
 
 
 _PER_LAYER_CACHE: dict[tuple, dict[RecomputeMode, int]] = {}
@@ -71,11 +93,11 @@ def per_layer_activations(model: GPTConfig, layout: Layout, precision: str = "bf
     """Bytes one layer keeps for backward for one micro-batch, per recompute mode (full: the unit
     input), with the attention kernel ``device`` runs (the planner's GPUs: "cuda")."""
     key = (dims.model_key(model), layout.tp, layout.sequence_parallel, layout.micro_batch, precision, layout.cp,
-           device, repr(model.moe))
+           device, repr(model.moe), layout.ep)
     if key not in _PER_LAYER_CACHE:
         cfg = dims.with_sequence_parallel(model, layout.sequence_parallel)
         dims_ = dict(s=model.seq_len // layout.cp, b=layout.micro_batch, t=layout.tp, act=ACTIVATION_BYTES[precision],
-                     cp=layout.cp, device=device)
+                     cp=layout.cp, device=device, ep=layout.ep)
         n_moe = model.moe.moe_layer_count(model.layers) if model.moe is not None else 0
         kinds = {False: model.layers - n_moe, True: n_moe}  # layers without and with an MoE FFN
         # an MoE model's layers differ: the mean over its layers (dense and MoE) stands for one

@@ -105,7 +105,7 @@ def _smallest(model: GPTConfig, layout: Layout, global_batch: int, precision: st
 def auto_recompute_layers(model: GPTConfig, parallel: ParallelConfig, train: TrainConfig, budget_gib: float,
                           precision: str = "bf16", global_batch: int | None = None) -> list[Mode]:
     """``model.recompute: auto`` for loaded config sections: the per-layer modes under ``budget_gib``
-    per GPU. The layout is ``parallel.tp/pp/virtual_stages/dp/data_parallel``, ``train.micro_batch``
+    per GPU. The layout is ``parallel.tp/pp/virtual_stages/dp/data_parallel/ep``, ``train.micro_batch``
     and ``model.sequence_parallel``; ``global_batch`` defaults to ``train.global_batch`` or
     ``micro_batch x dp``. Raises :class:`~seqpar.errors.UserError` naming the budget and the
     smallest that fits if nothing does."""
@@ -115,7 +115,7 @@ def auto_recompute_layers(model: GPTConfig, parallel: ParallelConfig, train: Tra
     mode = parallel.data_parallel_mode(dp) if hasattr(parallel, "data_parallel_mode") else "ddp"
     layout = Layout(tp=parallel.tp, pp=parallel.pp, dp=dp, virtual_stages=parallel.virtual_stages,
                     micro_batch=train.micro_batch, sequence_parallel=model.sequence_parallel and parallel.tp > 1,
-                    data_parallel=mode)
+                    data_parallel=mode, ep=getattr(parallel, "ep", 1))  # an MoE rank holds E/ep experts
     batch = global_batch or train.global_batch or train.micro_batch * dp
     mix = best_mix(model, layout, budget_gib * GIB, batch, precision)
     if mix is None:

@@ -83,6 +83,8 @@ def overrides(layout: Layout, model: GPTConfig, global_batch: int, precision: st
         out.insert(3, f"parallel.pp_schedule={_schedule(layout)}")
     if layout.cp > 1:  # the ring (its K/V steps overlap the attention); the all-gather with pipeline stages
         out[4:4] = [f"parallel.cp={layout.cp}", f"parallel.cp_comm={layout.cp_comm}"]
+    if model.moe is not None:  # experts over ep of the dp x cp ranks (1: the config's ep is overridden too)
+        out.insert(out.index(f"parallel.data_parallel={layout.data_parallel}"), f"parallel.ep={layout.ep}")
     notes = []
     if rc.kind == "mixed":
         modes = layer_modes(rc, model.layers, layout.pp, layout.virtual_stages)

@@ -4,7 +4,8 @@ The space: t dividing the GPUs of a node (TP stays on NVLink); p dividing the la
 dividing N; context parallelism cp where the sequence cuts into 2 cp chunks (the ring's K/V
 exchange without pipeline stages, the all-gather's with them); dp = N / (t p cp); interleaving m
 dividing the layers of a stage (p > 1, micro-batches a multiple of p); micro-batch b dividing the
-batch per data-parallel rank; SP on or off (t > 1); DDP, or FSDP over dp x cp > 1 (p = 1);
+batch per data-parallel rank; SP on or off (t > 1); DDP, or FSDP over dp x cp > 1 (p = 1); for an
+MoE model without pipeline stages, ep dividing dp x cp and the experts;
 recompute none, selective, full (uniform, N = 1), and the per-layer mix with
 the fewest recomputed FLOPs that fits (:func:`seqpar.plan.recompute.best_mix`) when asked for.
 A mix is never faster than no recompute, so it is only searched where no recompute does not fit
@@ -46,6 +47,7 @@ class SearchSpace:
     recompute: tuple[str, ...] = UNIFORM  # add "mixed" for per-layer mixes
     data_parallel: tuple[str, ...] = DATA_PARALLEL_MODES
     cp: tuple[int, ...] | None = None  # context parallelism; None: every cp the sequence splits into
+    ep: tuple[int, ...] | None = None  # expert parallelism (MoE); None: every ep dividing dp x cp and the experts
 
 
 # The paper's own choices (Table 3 / Table 5): t = 8, one node's GPUs, for every model; p, m, b, SP
@@ -109,6 +111,14 @@ def _splits(problem: Problem, space: SearchSpace) -> Iterator[tuple[int, int, in
                     yield t, p, cp, dp
 
 
+def _expert_splits(model: GPTConfig, space: SearchSpace, ranks: int, pp: int) -> list[int]:
+    """The ep values to try: 1 for a dense model or with pipeline stages, else those dividing both
+    the ``ranks`` of dp x cp and the experts."""
+    if model.moe is None or pp > 1:
+        return [1]
+    return [e for e in space.ep or _divisors(ranks) if ranks % e == 0 and model.moe.experts % e == 0]
+
+
 def families(problem: Problem, space: SearchSpace) -> Iterator[Layout]:
     """Every valid layout of ``space`` with recompute left at none (the caller varies it)."""
     pr, L = problem, problem.model.layers
@@ -117,12 +127,13 @@ def families(problem: Problem, space: SearchSpace) -> Iterator[Layout]:
             for b in _divisors(pr.global_batch // dp):
                 for sp in (s for s in space.sequence_parallel if not s or t > 1):
                     for mode in (d for d in space.data_parallel if d == "ddp" or dp * cp > 1):
-                        layout = Layout(t, p, dp, m, b, sp, Recompute("none"), mode, cp)
-                        try:
-                            check_layout(layout, pr.model, pr.gpus, pr.global_batch, pr.gpus_per_node)
-                        except UserError:
-                            continue
-                        yield layout
+                        for ep in _expert_splits(pr.model, space, dp * cp, p):
+                            layout = Layout(t, p, dp, m, b, sp, Recompute("none"), mode, cp, ep)
+                            try:
+                                check_layout(layout, pr.model, pr.gpus, pr.global_batch, pr.gpus_per_node)
+                            except UserError:
+                                continue
+                            yield layout
 
 
 @dataclass

@@ -19,6 +19,10 @@ One layer, one micro-batch, one GPU (:func:`layer_times`):
   plus a fixed latency per exposed collective (``GPU.collective_latency``).
 * Recompute: selective repeats the attention core's GEMMs, softmax and dropout; full repeats the
   whole forward, its collectives included.
+* An MoE layer (:mod:`seqpar.plan.experts`): the router, ``k`` experts per token and the shared
+  experts instead of the MLP, its row permutations, and four all-to-alls over ep (dispatch and
+  combine, forward and backward), exposed. An MoE model's layer is the mean over its dense and MoE
+  layers; the all-to-alls are reported as their own part of the step (``all_to_all``, with ep > 1).
 
 One step (:func:`step_time`): ``n`` micro-batches at the pace of the slowest stage, the last (its
 layers, the logits' GEMMs and the cross-entropy's four passes over the logits in their own dtype
@@ -28,11 +32,14 @@ stages' time per micro-batch, i.e. ``(p-1)/(m n)`` of the ideal time; the gradie
 (fp32) over the dp x cp ranks (one collective: the CP ranks' shares summed, dp averaged) minus the
 backward of the last micro-batch it overlaps (DDP buckets; pipeline stages reduce after the
 schedule, nothing hidden), or FSDP's per-micro-batch gathers and reduce-scatters over dp x cp
-beyond the compute they overlap;
-and the optimizer step, memory-bound at :data:`OPTIMIZER_BYTES_PER_PARAM`. Left out: host-side
-launch overhead, the vocabulary-parallel cross-entropy's small all-reduces, the embedding
-gradient, and accumulating each micro-batch's weight gradients into fp32 (fused into the
-weight-gradient GEMM as in the paper's implementation; seqpar's bf16 recipe adds a separate pass).
+beyond the compute they overlap (an MoE model's routed experts: over their dp x cp / ep
+expert-data-parallel ranks, after the rest); and the optimizer step, memory-bound at
+:data:`OPTIMIZER_BYTES_PER_PARAM`. Left out: host-side launch overhead, the vocabulary-parallel
+cross-entropy's small all-reduces, the embedding gradient, an MoE layer's uneven load (the time
+model routes every expert ``m / E`` rows), its host read of the counts and the routing
+statistics' small all-reduces, and accumulating each micro-batch's weight gradients into fp32
+(fused into the weight-gradient GEMM as in the paper's implementation; seqpar's bf16 recipe adds
+a separate pass).
 
 Calibration: the two GEMM constants of :mod:`seqpar.plan.gpus` were fitted once, to Table 4 only
 (:mod:`seqpar.plan.calibrate`); Table 5's eight iteration times and four MFUs are predictions.
@@ -43,10 +50,11 @@ from dataclasses import dataclass
 
 from ..model.config import GPTConfig
 from .. import flops
-from ..memory.params import fc1_width, layer_params, qkv_width, stage_params
+from ..memory.params import expert_params, fc1_width, layer_params, qkv_width, stage_params
 from . import dims
 from .gpus import GPU
 from .kernels import all_reduce_seconds, gather_seconds, gemm_fwd_bwd, link_bandwidth, memory_seconds
+from .experts import expert_comm, moe_elementwise, moe_gemms
 from .layout import Layout, Mode, micro_batches
 from .memory import ACTIVATION_BYTES
 
@@ -72,19 +80,26 @@ class LayerTimes:
     backward: float
     recompute: dict[Mode, float]  # extra backward time per recompute mode
     tp_comm: float                # exposed TP communication in forward + backward (part of the above)
+    ep_comm: float = 0.0          # the MoE layers' all-to-alls over ep, forward + backward (part of the above)
+    ep_forward: float = 0.0       # their forward share (a full recompute repeats it)
 
 
-def _elementwise_bytes(model: GPTConfig, layout: Layout, u: float) -> tuple[float, float, float, float]:
-    """(other forward, other backward, scores forward, scores backward) bytes of memory-bound kernels."""
+def _elementwise_bytes(model: GPTConfig, layout: Layout, u: float,
+                       moe: bool = False) -> tuple[float, float, float, float]:
+    """(other forward, other backward, scores forward, scores backward) bytes of memory-bound kernels
+    (``moe``: an MoE layer's activation region and row permutations, :func:`moe_elementwise`)."""
     s, b, h, t = model.seq_len // layout.cp, layout.micro_batch, model.hidden, layout.tp  # s: this CP rank's
     x = s * b * h / (t if layout.sequence_parallel else 1)   # norm / dropout / residual region
     f = s * b * model.ffn_hidden / t                         # activation-function region
+    perm = 0.0
+    if moe:
+        f, perm = moe_elementwise(model, layout, u)
     scores = b * model.heads * s * model.seq_len / t          # this rank's queries over every key
     mask = 1 if model.dropout > 0 else 0
     amask = 1 if model.attention_dropout > 0 else 0
     act_f, act_b = ((3 * u, 5 * u) if model.mlp == "swiglu" else (2 * u, 3 * u))  # SwiGLU reads gate and up
-    other_f = 2 * 2 * u * x + 2 * (3 * u + mask) * x + act_f * f
-    other_b = 2 * 3 * u * x + 2 * (2 * u + mask) * x + act_b * f
+    other_f = 2 * 2 * u * x + 2 * (3 * u + mask) * x + act_f * f + perm
+    other_b = 2 * 3 * u * x + 2 * (2 * u + mask) * x + act_b * f + perm
     score_f = 2 * u * scores + amask * (2 * u + 1) * scores
     score_b = 3 * u * scores + amask * (2 * u + 1) * scores
     return other_f, other_b, score_f, score_b
@@ -94,23 +109,26 @@ def _tp_comm(layout: Layout, gpu: GPU, columns: list[tuple[float, float, float]]
     """Exposed (forward, backward) TP communication of one layer; ``columns`` are the column layers' GEMMs."""
     if layout.tp == 1:
         return 0.0, 0.0
-    lat = gpu.collective_latency
+    lat, halves = gpu.collective_latency, len(columns)  # attention, and the MLP where it is TP-split
     if not layout.sequence_parallel:  # f-bar: two all-reduces; f backward: all-reduce behind wgrad
-        return 4 * ag + 2 * lat, sum(max(0.0, 2 * ag - wgrad) for _, _, wgrad in columns)
+        return halves * 2 * ag + halves * lat, sum(max(0.0, 2 * ag - wgrad) for _, _, wgrad in columns)
     backward = 0.0  # g-bar backward all-gather; re-gather behind dgrad; reduce-scatter behind wgrad
     for _, dgrad, wgrad in columns:
         backward += ag + lat + max(0.0, ag - dgrad) + max(0.0, ag - wgrad)
-    return 4 * ag + 4 * lat, backward
+    return halves * 2 * ag + halves * 2 * lat, backward
 
 
 _LAYER_CACHE: dict[tuple, LayerTimes] = {}
 
 
-def layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str = "bf16") -> LayerTimes:
-    """Forward, backward and recompute seconds of one transformer layer (see the module docstring)."""
-    key = (dims.model_key(model), layout.tp, layout.micro_batch, layout.sequence_parallel, gpu, precision, layout.cp)
+def layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str = "bf16",
+                gpus_per_node: int = 8) -> LayerTimes:
+    """Forward, backward and recompute seconds of one transformer layer (see the module docstring;
+    an MoE model's: the mean over its dense and MoE layers)."""
+    key = (dims.model_key(model), layout.tp, layout.micro_batch, layout.sequence_parallel, gpu, precision, layout.cp,
+           repr(model.moe), layout.ep, gpus_per_node)
     if key not in _LAYER_CACHE:
-        _LAYER_CACHE[key] = _layer_times(model, layout, gpu, precision)
+        _LAYER_CACHE[key] = _layer_times(model, layout, gpu, precision, gpus_per_node)
     return _LAYER_CACHE[key]
 
 
@@ -134,31 +152,51 @@ def _context_comm(model: GPTConfig, layout: Layout, gpu: GPU, u: int, core_f: fl
     return max(0.0, fwd - core_f) + gpu.p2p_latency, max(0.0, bwd - core_b) + gpu.p2p_latency
 
 
-def _layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str) -> LayerTimes:
-    s, b, h, t, f = model.seq_len // layout.cp, layout.micro_batch, model.hidden, layout.tp, model.ffn_hidden
+def _layer_times(model: GPTConfig, layout: Layout, gpu: GPU, precision: str, gpus_per_node: int = 8) -> LayerTimes:
+    """A dense model's layer; an MoE model's mean over its layers (dense and MoE, as the memory model)."""
+    if model.moe is None:
+        return _one_layer(model, layout, gpu, precision, gpus_per_node, moe=False)
+    n_moe = model.moe.moe_layer_count(model.layers)
+    kinds = [(w, _one_layer(model, layout, gpu, precision, gpus_per_node, moe=e))
+             for e, w in ((False, model.layers - n_moe), (True, n_moe)) if w]
+
+    def mean(get) -> float:
+        return sum(w * get(lt) for w, lt in kinds) / model.layers
+    return LayerTimes(mean(lambda x: x.forward), mean(lambda x: x.backward),
+                      {m: mean(lambda x: x.recompute[m]) for m in kinds[0][1].recompute},
+                      mean(lambda x: x.tp_comm), mean(lambda x: x.ep_comm), mean(lambda x: x.ep_forward))
+
+
+def _one_layer(model: GPTConfig, layout: Layout, gpu: GPU, precision: str, gpus_per_node: int,
+               moe: bool) -> LayerTimes:
+    s, b, h, t = model.seq_len // layout.cp, layout.micro_batch, model.hidden, layout.tp
     sb, ps = s * b, _peak_scale(gpu, precision)
     qkv = gemm_fwd_bwd(gpu, sb, qkv_width(model, t) // t, h, 1, ps)
     proj = gemm_fwd_bwd(gpu, sb, h, h // t, 1, ps)
-    fc1, fc2 = gemm_fwd_bwd(gpu, sb, fc1_width(model) // t, h, 1, ps), gemm_fwd_bwd(gpu, sb, h, f // t, 1, ps)
+    ffn, column = (moe_gemms(model, layout, gpu, ps) if moe else
+                   ([gemm_fwd_bwd(gpu, sb, fc1_width(model) // t, h, 1, ps),
+                     gemm_fwd_bwd(gpu, sb, h, model.ffn_hidden // t, 1, ps)], 0))
     heads, d = model.heads * b // t, model.head_dim
     keys = model.seq_len  # under cp this rank's s/cp queries still see the whole sequence's keys
     scores, context = gemm_fwd_bwd(gpu, s, keys, d, heads, ps), gemm_fwd_bwd(gpu, s, d, keys, heads, ps)
-    dense_f = sum(g[0] for g in (qkv, proj, fc1, fc2))
-    dense_b = sum(g[1] + g[2] for g in (qkv, proj, fc1, fc2))
+    dense_f = sum(g[0] for g in [qkv, proj] + ffn)
+    dense_b = sum(g[1] + g[2] for g in [qkv, proj] + ffn)
     core_f, core_b = scores[0] + context[0], scores[1] + scores[2] + context[1] + context[2]
     if layout.cp > 1:  # the CP kernel recomputes each block's scores from its log-sum-exp in backward
         core_b += scores[0]
     u = ACTIVATION_BYTES[precision]
-    other_f, other_b, score_f, score_b = (memory_seconds(gpu, x) for x in _elementwise_bytes(model, layout, u))
+    other_f, other_b, score_f, score_b = (memory_seconds(gpu, x) for x in _elementwise_bytes(model, layout, u, moe))
     ag = gather_seconds(s * b * h * u, t, link_bandwidth(gpu, intra_node=True))  # one [s, b, h] activation
-    comm_f, comm_b = _tp_comm(layout, gpu, [qkv, fc1], ag)
+    columns = [qkv] + ([ffn[column]] if column is not None else [])  # an MoE FFN without TP-split GEMMs: none
+    comm_f, comm_b = _tp_comm(layout, gpu, columns, ag)
     cp_f, cp_b = _context_comm(model, layout, gpu, u, core_f, core_b)
-    comm_f, comm_b = comm_f + cp_f, comm_b + cp_b
+    ep_f, ep_b = expert_comm(model, layout, gpu, u, gpus_per_node) if moe else (0.0, 0.0)
+    comm_f, comm_b = comm_f + cp_f + ep_f, comm_b + cp_b + ep_b
     forward = dense_f + core_f + other_f + score_f + comm_f
     backward = dense_b + core_b + other_b + score_b + comm_b
     # under cp, selective is the CP kernel itself (already counted in backward): nothing more
     recompute = {"none": 0.0, "selective": core_f + score_f if layout.cp == 1 else 0.0, "full": forward}
-    return LayerTimes(forward, backward, recompute, comm_f + comm_b)
+    return LayerTimes(forward, backward, recompute, comm_f + comm_b - ep_f - ep_b, ep_f + ep_b, ep_f)
 
 
 @dataclass(frozen=True)
@@ -192,16 +230,33 @@ def _data_parallel_seconds(model: GPTConfig, layout: Layout, gpu: GPU, gpus_per_
     ranks = layout.dp * layout.cp
     if ranks == 1:
         return 0.0
-    params = max(stage_params(model, t=layout.tp, pp=layout.pp, stage=r) for r in (0, layout.pp - 1))
-    bw = link_bandwidth(gpu, intra_node=layout.tp * ranks <= gpus_per_node)
+    params, experts = _stage_params(model, layout)
+    bw = link_bandwidth(gpu, intra_node=layout.tp * ranks <= gpus_per_node)  # an edp group spans dp x cp too
+    edp = layout.edp if experts else 1
     if layout.data_parallel == "fsdp":
         per_micro = 2 * gather_seconds(2 * params, ranks, bw) + gather_seconds(4 * params, ranks, bw)
+        per_micro += 2 * gather_seconds(2 * experts, edp, bw) + gather_seconds(4 * experts, edp, bw)
         first_layer = gather_seconds(2 * layer_params(model, layout.tp), ranks, bw)
         return n_micro * (max(0.0, per_micro - mb) + first_layer)
     comm = all_reduce_seconds(4 * params, ranks, bw)  # fp32 gradients
+    comm += all_reduce_seconds(4 * experts, edp, bw)  # the experts' buckets, over their edp group
     if layout.pp > 1:  # the stages reduce once the schedule is done
         return comm
     return max(comm / model.layers, comm - backward_mb)
+
+
+def _stage_params(model: GPTConfig, layout: Layout) -> tuple[int, int]:
+    """(parameters less the routed experts, routed experts) of one GPU of the larger end stage."""
+    t, p, ep = layout.tp, layout.pp, layout.ep
+    return max((stage_params(model, t=t, pp=p, stage=r, ep=ep) - expert_params(model, t, pp=p, stage=r, ep=ep),
+                expert_params(model, t, pp=p, stage=r, ep=ep)) for r in (0, p - 1))
+
+
+def _layer_flops(model: GPTConfig, b: int) -> float:
+    """Forward FLOPs of one layer for ``b`` sequences (an MoE model's: the mean over its layers)."""
+    if model.moe is None:
+        return flops.config_layer_forward_flops(model, B=b)
+    return flops.layers_forward_flops(model, B=b) / model.layers
 
 
 def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpus_per_node: int = 8,
@@ -210,7 +265,7 @@ def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpu
     n = micro_batches(layout, global_batch)
     p, m, t, b = layout.pp, layout.virtual_stages, layout.tp, layout.micro_batch
     s, h, v, u = model.seq_len // layout.cp, model.hidden, model.padded_vocab(t), ACTIVATION_BYTES[precision]
-    lt = layer_times(model, layout, gpu, precision)
+    lt = layer_times(model, layout, gpu, precision, gpus_per_node)
     counts = layout.recompute.per_stage(model.layers // (p * m), m)
     backward_mb = sum(k * (lt.backward + lt.recompute[mode]) for mode, k in counts.items())
     layers_mb = backward_mb + sum(counts.values()) * lt.forward
@@ -221,13 +276,16 @@ def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpu
         bw = link_bandwidth(gpu, intra_node=t * layout.cp * layout.dp * p <= gpus_per_node)
         p2p_mb = 2 * m * (s * b * h * u / t / bw + gpu.p2p_latency)
     mb = layers_mb + logits_mb + p2p_mb  # the last stage, the slowest: it sets the pace
-    shard = layout.dp * layout.cp if layout.data_parallel == "fsdp" else 1
-    params = max(stage_params(model, t=t, pp=p, stage=r) for r in (0, p - 1)) / shard
-    parts = {"layers": n * layers_mb, "logits": n * logits_mb, "p2p": n * p2p_mb,
-             "bubble": (layers_mb + p2p_mb) * (p - 1) / m,  # filling and draining the other stages
-             "data_parallel": _data_parallel_seconds(model, layout, gpu, gpus_per_node, mb, backward_mb, n),
-             "optimizer": memory_seconds(gpu, params * OPTIMIZER_BYTES_PER_PARAM[precision])}
-    layer, core = flops.config_layer_forward_flops(model, B=b), flops.config_core_forward_flops(model, B=b)
+    fsdp = layout.data_parallel == "fsdp"
+    dense, experts = _stage_params(model, layout)
+    params = dense / (layout.dp * layout.cp if fsdp else 1) + (experts / layout.edp if fsdp else experts)
+    a2a_mb = sum(counts.values()) * lt.ep_comm + counts["full"] * lt.ep_forward  # the layers' all-to-alls
+    parts = {"layers": n * (layers_mb - a2a_mb)} | ({"all_to_all": n * a2a_mb} if a2a_mb else {})
+    parts |= {"logits": n * logits_mb, "p2p": n * p2p_mb,
+              "bubble": (layers_mb + p2p_mb) * (p - 1) / m,  # filling and draining the other stages
+              "data_parallel": _data_parallel_seconds(model, layout, gpu, gpus_per_node, mb, backward_mb, n),
+              "optimizer": memory_seconds(gpu, params * OPTIMIZER_BYTES_PER_PARAM[precision])}
+    layer, core = _layer_flops(model, b), flops.config_core_forward_flops(model, B=b)
     per_micro = flops.config_model_flops(model, B=b, t=t)
     recomputed = p * (counts["selective"] * core + counts["full"] * layer)
     steps = n * layout.dp  # micro-batches of b sequences per step, all pipelines

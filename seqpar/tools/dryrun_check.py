@@ -58,7 +58,8 @@ def _stage_plan(run: ResolvedRun, r: RankRun, gpu: GPU | None, device: str):
     stage = r.coords["pp"][0]
     layers = stage_layer_ids(cfg.model.layers, pc.pp, pc.virtual_stages, stage)
     layout = run_layout(cfg.model, tp=pc.tp, pp=pc.pp, dp=run.dp, virtual_stages=pc.virtual_stages,
-                        micro_batch=tc.micro_batch, data_parallel=run.dp_mode, cp=pc.cp, stage_layers=layers)
+                        micro_batch=tc.micro_batch, data_parallel=run.dp_mode, cp=pc.cp, stage_layers=layers,
+                        ep=pc.ep)
     capacity = gpu.hbm_bytes if gpu is not None else math.inf
     memory = stage_memory(cfg.model, layout, capacity, tc.micro_batch * run.accum * run.dp, stage,
                           _planner_precision(r.precision), device)

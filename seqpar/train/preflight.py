@@ -63,7 +63,8 @@ def predicted_peak(run: ResolvedRun, device_type: str, capacity: float = float("
     for stage in range(pc.pp):
         layers = stage_layer_ids(cfg.model.layers, pc.pp, pc.virtual_stages, stage)
         layout = run_layout(cfg.model, tp=pc.tp, pp=pc.pp, dp=run.dp, virtual_stages=pc.virtual_stages,
-                            micro_batch=cfg.train.micro_batch, data_parallel=run.dp_mode, cp=pc.cp, stage_layers=layers)
+                            micro_batch=cfg.train.micro_batch, data_parallel=run.dp_mode, cp=pc.cp, stage_layers=layers,
+                            ep=pc.ep)
         peaks.append(stage_memory(cfg.model, layout, capacity, run.global_batch, stage, precision,
                                   device=device_type, workspace=workspace))
     return max(peaks, key=lambda m: m.total)
