@@ -9,6 +9,7 @@
     pretrained.py       ``save_pretrained`` / ``load_pretrained`` for Hugging Face models
     wrappers.py         ``unwrap``: the model inside ``torch.compile`` / DDP wrappers
     attention.py        ``checkpoint_attention``: RNG-exact recompute of HF attention cores
+    dropout.py          dropout streams: per-TP-rank masks on shards and heads, one mask on full tensors
 
 Import everything but ``parallelize`` and the ready plans (:mod:`seqpar.plans`) from here.
 """
