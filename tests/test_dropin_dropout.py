@@ -119,3 +119,23 @@ def test_compiled_attention_dropout_draws_the_eager_masks_with_and_without_recom
 
     (ref, ref_grads), (got, grads) = run(False, False), run(True, True)
     assert torch.equal(got, ref) and all(torch.equal(grads[n], g) for n, g in ref_grads.items())
+
+
+def test_hugging_face_gradient_checkpointing_replays_the_streams_with_replay_streams():
+    """torch.utils.checkpoint replays torch's generators only; with ``context_fn=replay_streams(model)``
+    the recomputed layers draw the forward's masks: gradients bit-identical to keeping activations."""
+    from dropin_helpers import grads_of
+    from seqpar.dropin import replay_streams
+
+    def run(recompute: bool):
+        model = parallelize(gpt2(**GPT2_DROPOUT), plans.gpt2(), None)
+        if recompute:
+            model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": replay_streams(model)})
+        loss = loss_of(model, batch())
+        loss.backward()
+        return loss.detach(), grads_of(model, True)
+
+    (ref, ref_grads), (got, grads) = run(False), run(True)
+    assert torch.equal(got, ref) and all(torch.equal(grads[n], g) for n, g in ref_grads.items())
+    with pytest.raises(ValueError, match="replay_streams: GPT2LMHeadModel was not parallelized"):
+        replay_streams(gpt2())

@@ -14,8 +14,14 @@ per TP rank. What draws from which:
   ``checkpoint_attention`` replays those draws in backward;
 * any other dropout (GPT-2's embedding dropout ``drop``, before the region) keeps torch's default
   generator: every rank holds the same tensor, seed torch alike on every rank.
+
+``torch.utils.checkpoint`` (and Hugging Face's gradient checkpointing, built on it) replays only
+torch's own generators; :func:`replay_streams` is the ``context_fn`` that replays the streams too.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -26,6 +32,7 @@ from ..model.context import stream_rank
 from ..model.gpt import Dropout
 from .attention import use_streams
 from .spec import Parallelized, Style
+from .wrappers import parallelized
 
 
 def check_dropout(name: str, m: nn.Module, style: Style) -> list[str]:
@@ -65,4 +72,32 @@ def set_dropout_streams(model: nn.Module, state: Parallelized) -> None:
             m.stream = "tp" if state.sequence_parallel else "replicated"
 
 
-__all__ = ["check_dropout", "install_streams", "set_dropout_streams"]
+def replay_streams(model: nn.Module) -> Callable[[], tuple]:
+    """A ``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` over
+    part of a parallelized ``model``: each call snapshots ``model.seqpar.streams`` in forward and
+    puts the snapshot back while backward recomputes, so the recomputed dropout masks are the
+    forward's (torch's own generators are replayed by the checkpoint itself). Hugging Face:
+    ``model.gradient_checkpointing_enable({"use_reentrant": False, "context_fn": replay_streams(model)})``."""
+    streams = parallelized(model, "replay_streams")[1].streams
+
+    def context_fn() -> tuple:
+        snap: dict = {}
+
+        @contextmanager
+        def forward() -> Iterator[None]:
+            snap.update(streams.get_state())
+            yield
+
+        @contextmanager
+        def recompute() -> Iterator[None]:
+            current = streams.get_state()
+            streams.set_state(snap)
+            try:
+                yield
+            finally:
+                streams.set_state(current)
+        return forward(), recompute()
+    return context_fn
+
+
+__all__ = ["check_dropout", "install_streams", "replay_streams", "set_dropout_streams"]
