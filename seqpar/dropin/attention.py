@@ -31,7 +31,7 @@ from .wrappers import unwrap
 PREFIX = "seqpar_selective"
 STREAMS_PREFIX = "seqpar_streams"  # the wrapper without recomputation (use_streams)
 IMPLS = ("eager", "sdpa")
-STREAMS_ATTR = "_seqpar_attention_streams"  # set on every module of a checkpointed model
+STREAMS_ATTR = "_seqpar_attention_streams"  # the streams an attention module draws from (None: torch's)
 
 
 def _base_attention(module: nn.Module, impl: str) -> Callable:
