@@ -18,7 +18,10 @@ def gpt2() -> Plan:
     """For ``GPT2LMHeadModel``: ``c_attn`` is a fused ``[q; k; v]`` Conv1D, split per rank into
     ``[q_r; k_r; v_r]``; each attention module's ``num_heads`` and ``split_size`` become per-rank.
     Needs ``n_head``, ``n_embd``, ``n_inner`` and the vocabulary divisible by t (pad the
-    vocabulary, e.g. ``resize_token_embeddings(50304)`` for the released 50257)."""
+    vocabulary, e.g. ``resize_token_embeddings(50304)`` for the released 50257). The residual
+    dropouts (``resid_pdrop``) run on sequence shards and the attention dropout (``attn_pdrop``)
+    on this rank's heads, both drawn per TP rank; the embedding dropout (``embd_pdrop``) runs
+    before the region on full tensors, from torch's default generator."""
     block = "transformer.h.*"
     return Plan(
         layers={
@@ -26,9 +29,11 @@ def gpt2() -> Plan:
             f"{block}.ln_1": "sequence",
             f"{block}.attn.c_attn": Style("column", chunks=3),
             f"{block}.attn.c_proj": "row",
+            f"{block}.attn.resid_dropout": "sequence",  # on the shard c_proj reduce-scatters to
             f"{block}.ln_2": "sequence",
             f"{block}.mlp.c_fc": "column",
             f"{block}.mlp.c_proj": "row",
+            f"{block}.mlp.dropout": "sequence",
             "transformer.ln_f": "sequence",
             "lm_head": "vocab",
         },
@@ -51,7 +56,8 @@ def llama() -> Plan:
     gradient is summed over those ranks in backward). The rotary embedding stays replicated:
     it is computed once per step for the full sequence and applied after the column layers'
     all-gather. Per-rank head attributes that some ``transformers`` releases keep on the module
-    (``num_heads``, ``num_key_value_heads``, ``hidden_size``) are divided where present."""
+    (``num_heads``, ``num_key_value_heads``, ``hidden_size``) are divided where present. The
+    attention dropout (``attention_dropout``) runs on this rank's heads and draws per TP rank."""
     block = "model.layers.*"
     return Plan(
         layers={

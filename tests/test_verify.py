@@ -212,3 +212,14 @@ def test_bad_arguments_and_a_crashing_rank(capsys):
     report = verify("llama-tiny-cpu", "t2", setup="test_verify:plant_a_crash", progress=False)
     assert report.rows[0].status == "error" and "planted crash in a rank" in report.rows[0].reason, report.text()
     assert report.verdict().startswith("FAIL: 1 of 1 layout differ") and not report.passed
+
+
+def test_hugging_face_gpt2_with_dropout_draws_per_rank_masks_in_the_sp_region(tmp_path):
+    """GPT-2's residual and attention dropouts (0.1) run on sequence shards and per-rank heads: the
+    ready plan draws them from per-TP-rank streams, the embedding dropout from one generator."""
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4, bos_token_id=0,
+                            eos_token_id=0, attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1).save_pretrained(tmp_path)
+    report = verify(str(tmp_path), "t2,t2-nosp,t2-selective", progress=False)
+    assert report.passed and [(r.status, r.masks) for r in report.rows] == [("ok", "ok")] * 3, \
+        "\n".join(report.problems())

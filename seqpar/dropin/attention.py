@@ -10,6 +10,10 @@ is modified. Each wrapper is registered once per process under a fixed name
 calling attention module, so any number of models share the two names. The wrapper runs the core
 under :func:`seqpar.recompute.checkpoint`, which keeps only q, k, v and replays the RNG state,
 so the recomputed dropout masks are the forward pass's.
+
+:func:`use_streams` (called by ``parallelize``) switches a model to the same wrapper without the
+recomputation (``seqpar_streams_eager`` / ``seqpar_streams_sdpa``): the attention dropout of the
+modules given the model's streams then draws from their per-TP-rank ``"tp"`` stream.
 """
 from __future__ import annotations
 
@@ -25,8 +29,9 @@ from ..recompute import checkpoint, recompute_region
 from .wrappers import unwrap
 
 PREFIX = "seqpar_selective"
+STREAMS_PREFIX = "seqpar_streams"  # the wrapper without recomputation (use_streams)
 IMPLS = ("eager", "sdpa")
-STREAMS_ATTR = "_seqpar_attention_streams"  # set on every module of a checkpointed model
+STREAMS_ATTR = "_seqpar_attention_streams"  # the streams an attention module draws from (None: torch's)
 
 
 def _base_attention(module: nn.Module, impl: str) -> Callable:
@@ -57,9 +62,10 @@ def _check_lengths(module: nn.Module, query: torch.Tensor, key: torch.Tensor, ma
                          f"(seqpar.dropin.check_groups(model, mesh))")
 
 
-def _selective(impl: str) -> Callable:
-    """The recomputing wrapper of implementation ``impl``; dropout draws from the calling
-    module's streams (``STREAMS_ATTR``), or torch's default generator where there are none."""
+def _selective(impl: str, recompute: bool = True) -> Callable:
+    """The wrapper of implementation ``impl``, recomputing the core in backward or not; dropout
+    draws from the calling module's streams (``STREAMS_ATTR``), or torch's default generator
+    where there are none."""
 
     def attention(module, query, key, value, attention_mask, **kwargs):
         _check_lengths(module, query, key, attention_mask)
@@ -72,41 +78,69 @@ def _selective(impl: str) -> Callable:
             with streams.fork("tp"):  # this rank's heads draw their own masks
                 return base(module, q, k, v, attention_mask, **kwargs)[0]
 
-        if torch.compiler.is_compiling():  # the RNG capture cannot be traced: a policy region instead
-            return _compiled_core(module, base, streams, attention_mask, kwargs, query, key, value), None
+        draws = streams is not None and module.training and kwargs.get("dropout", 0.0) > 0
+        if torch.compiler.is_compiling() and not draws:  # a policy region: the RNG capture is not traceable
+            fn = (lambda q, k, v: base(module, q, k, v, attention_mask, **kwargs)[0])
+            return (recompute_region(fn, query, key, value) if recompute else fn(query, key, value)), None
         # attention probabilities are exactly what is not kept: none are returned
-        return checkpoint(core, query, key, value, streams=streams), None
+        return _eager_core(core, query, key, value, recompute, streams), None
 
-    attention.__qualname__ = f"{PREFIX}_{impl}"
+    attention.__qualname__ = f"{PREFIX if recompute else STREAMS_PREFIX}_{impl}"
     return attention
 
 
-def _compiled_core(module, base, streams, mask, kwargs, query, key, value) -> torch.Tensor:
-    """Under torch.compile: the core in a region recomputed whole in backward (only q, k, v kept).
-    Swapping a stream into the default generator cannot be traced, so attention dropout with
-    seqpar streams is refused there; without streams it draws from torch's default generator."""
-    if streams is not None and module.training and kwargs.get("dropout", 0.0) > 0:
-        raise ValueError("checkpoint_attention(streams=...) with attention dropout cannot run under torch.compile "
-                         "(the per-rank stream swap is not traceable); set the attention dropout to 0 or "
-                         "compile without streams")
-    return recompute_region(lambda q, k, v: base(module, q, k, v, mask, **kwargs)[0], query, key, value)
+@torch.compiler.disable  # swapping a stream into the default generator is not traceable: outside the graph
+def _eager_core(core: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute: bool,
+                streams: RNGStreams | None) -> torch.Tensor:
+    """``core(q, k, v)``, checkpointed (``streams`` replayed in backward) when ``recompute``. Under
+    torch.compile it runs eagerly between two graphs: attention dropout drawn from seqpar streams
+    costs a graph break per attention call (``fullgraph=True`` refuses it)."""
+    return checkpoint(core, q, k, v, streams=streams) if recompute else core(q, k, v)
 
 
 _WRAPPERS = {impl: _selective(impl) for impl in IMPLS}
+_STREAM_WRAPPERS = {impl: _selective(impl, recompute=False) for impl in IMPLS}
 
 
-def _registered(impl: str) -> str:
+def _registered(impl: str, recompute: bool = True) -> str:
     """The name of ``impl``'s wrapper in ``transformers``' attention and mask registries,
     registering it on first use (the mask function is ``impl``'s own)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    name = f"{PREFIX}_{impl}"
-    if ALL_ATTENTION_FUNCTIONS.get(name) is not _WRAPPERS[impl]:
-        AttentionInterface.register(name, _WRAPPERS[impl])
+    name, wrapper = (f"{PREFIX}_{impl}", _WRAPPERS[impl]) if recompute else \
+        (f"{STREAMS_PREFIX}_{impl}", _STREAM_WRAPPERS[impl])
+    if ALL_ATTENTION_FUNCTIONS.get(name) is not wrapper:
+        AttentionInterface.register(name, wrapper)
         AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
     return name
+
+
+def _base_impl(impl: str) -> str:
+    """The ``transformers`` implementation under one of seqpar's wrapper names (``impl`` itself
+    when it is none of them)."""
+    for prefix in (PREFIX, STREAMS_PREFIX):
+        if impl.startswith(prefix + "_"):
+            return impl[len(prefix) + 1:]
+    return impl
+
+
+def use_streams(model: nn.Module, modules: list[nn.Module], streams: RNGStreams) -> bool:
+    """Draw the attention dropout of ``modules`` (attention modules of ``model`` running this rank's
+    heads) from ``streams``' ``"tp"`` stream, switching a ``transformers`` model on the ``eager``
+    or ``sdpa`` implementation to seqpar's wrapper of it (no recomputation; a model already on
+    :func:`checkpoint_attention`'s keeps it). False when the model has no such implementation:
+    its attention dropout then draws as the implementation does."""
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not hasattr(model, "set_attn_implementation") or impl is None or _base_impl(impl) not in IMPLS:
+        return False
+    for module in modules:
+        setattr(module, STREAMS_ATTR, streams)
+    if impl in IMPLS:
+        _own_config(model)
+        model.set_attn_implementation(_registered(impl, recompute=False))
+    return True
 
 
 def checkpoint_attention(model: nn.Module, *, streams: RNGStreams | None = None) -> nn.Module:
@@ -114,10 +148,11 @@ def checkpoint_attention(model: nn.Module, *, streams: RNGStreams | None = None)
 
     ``model``: a ``transformers`` model using the ``eager`` or ``sdpa`` attention implementation
     (e.g. ``GPT2LMHeadModel``, ``LlamaForCausalLM``), or seqpar's own ``GPT`` (switched to
-    ``recompute="selective"``; it owns its streams). ``streams``: optional seqpar RNG streams;
-    attention dropout then draws from their per-TP-rank ``"tp"`` stream instead of torch's
-    default generator. Calling it again on the same model only replaces the streams. Attention
-    weights are no longer returned (``output_attentions`` yields ``None``).
+    ``recompute="selective"``; it owns its streams). ``streams``: seqpar RNG streams whose
+    per-TP-rank ``"tp"`` stream the attention dropout draws from; by default those
+    ``seqpar.parallelize`` gave the model (``model.seqpar.streams``), or torch's default generator
+    for a model it did not parallelize. Calling it again on the same model only replaces the
+    streams. Attention weights are no longer returned (``output_attentions`` yields ``None``).
     """
     outer, model = model, unwrap(model)  # the module inside torch.compile / DDP wrappers
     if isinstance(model, GPT):
@@ -127,15 +162,17 @@ def checkpoint_attention(model: nn.Module, *, streams: RNGStreams | None = None)
     if not hasattr(model, "set_attn_implementation") or impl is None:
         raise ValueError(f"checkpoint_attention: {type(model).__name__} is neither seqpar's GPT nor a transformers "
                          f"model with a selectable attention implementation")
-    base = impl[len(PREFIX) + 1:] if impl.startswith(PREFIX + "_") else impl
+    base = _base_impl(impl)
     if base not in IMPLS:
         raise ValueError(f"checkpoint_attention: supports the 'eager' and 'sdpa' attention implementations, "
                          f"the model uses {impl!r}")
-    for module in model.modules():  # the attention modules among them read it when called
-        setattr(module, STREAMS_ATTR, streams)
-    if impl != base:
+    if streams is not None or getattr(getattr(model, "seqpar", None), "streams", None) is None:
+        for module in model.modules():  # the attention modules among them read it when called
+            setattr(module, STREAMS_ATTR, streams)
+    if impl.startswith(PREFIX + "_"):
         return outer
-    _own_config(model)
+    if impl == base:  # a model on use_streams' wrapper already has a config of its own
+        _own_config(model)
     model.set_attn_implementation(_registered(base))
     return outer
 
@@ -151,4 +188,4 @@ def _own_config(model) -> None:
             module.config = mine
 
 
-__all__ = ["checkpoint_attention"]
+__all__ = ["checkpoint_attention", "use_streams"]

@@ -2,7 +2,8 @@
 
 Under SP the hidden states entering ``Plan.sp_start`` are split into sequence shards and the
 output of ``Plan.sp_end`` is gathered back; ``enter_tp`` modules gather their input once (g);
-norms are tagged SP-replicated and their gradients summed over TP by hooks. Without SP the
+norms are tagged SP-replicated and their gradients summed over TP by hooks; the plan's dropouts
+draw from the per-TP-rank stream (:mod:`.dropout`). Without SP the
 ``enter_tp`` modules only copy their input into the TP region (f) and nothing else is hooked.
 :func:`set_sequence_parallel` switches an already-parallelized model between the two (SP for
 training, plain TP for generation with a KV cache, one token per step), exactly as if
@@ -20,6 +21,7 @@ from ..distributed.collectives import ProcessGroup, group_ranks, group_size
 from ..distributed.grad_sync import install_sp_grad_hooks, mark_sp_replicated
 from ..distributed.mesh import ParallelMesh
 from ..distributed.regions import copy_to_tp, gather_from_sp, gather_to_replicated, scatter_to_sp
+from .dropout import set_dropout_streams
 from .spec import Parallelized, Plan
 from .wrappers import parallelized, unwrap
 
@@ -76,7 +78,8 @@ def _norms(model: nn.Module, state: Parallelized) -> list[nn.Module]:
 
 
 def install_mode(model: nn.Module, state: Parallelized) -> None:
-    """Tag, hook and set every swapped layer for ``state.sequence_parallel`` (nothing installed yet)."""
+    """Tag, hook and set every swapped layer and stream dropout for ``state.sequence_parallel``
+    (nothing installed yet)."""
     sp = state.sequence_parallel
     for name, (style, _) in state.swapped.items():
         layer = model.get_submodule(name)
@@ -85,6 +88,7 @@ def install_mode(model: nn.Module, state: Parallelized) -> None:
             layer.seq_dim = state.plan.seq_dim if state.plan.seq_dim is not None else 0
     for norm in _norms(model, state) if sp else ():
         mark_sp_replicated(norm)
+    set_dropout_streams(model, state)
     entries = [n for n, st in state.resolved.items() if st.kind == "enter_tp"]
     state.grad_handles = install_sp_grad_hooks(model, state.tp_group)
     state.handles = _region_hooks(model, state, entries)

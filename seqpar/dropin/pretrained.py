@@ -43,12 +43,12 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike, **kwargs) -> None
 
 
 def load_pretrained(model_class, path: str | os.PathLike, plan: Plan, mesh: ParallelMesh | None, *,
-                    sequence_parallel: bool = True, **kwargs) -> nn.Module:
+                    sequence_parallel: bool = True, seed: int = 0, **kwargs) -> nn.Module:
     """``model_class.from_pretrained(path, **kwargs)`` on every rank, parallelized by ``plan``
-    over ``mesh`` and moved to ``mesh.device``. Each rank reads the full checkpoint once and
-    keeps its slices."""
+    over ``mesh`` (dropout streams from ``seed``) and moved to ``mesh.device``. Each rank reads
+    the full checkpoint once and keeps its slices."""
     model = model_class.from_pretrained(path, **kwargs)
-    model = parallelize(model, plan, mesh, sequence_parallel=sequence_parallel)
+    model = parallelize(model, plan, mesh, sequence_parallel=sequence_parallel, seed=seed)
     return model.to(mesh.device) if mesh is not None else model
 
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from ..distributed.collectives import ProcessGroup
+from ..distributed.rng import RNGStreams
 
 Kind = Literal["column", "row", "vocab", "sequence", "enter_tp"]
 KINDS: tuple[str, ...] = get_args(Kind)
@@ -21,7 +22,8 @@ class Style:
     to ``[b, s/t, out]`` under SP. ``vocab``: an ``nn.Embedding`` split by vocabulary rows (output
     all-reduced to ``[b, s, h]``), or an output head split by vocabulary whose logits are
     all-gathered to ``[b, s, v]`` for the model's own loss. ``sequence``: runs on sequence shards
-    under SP (norms): its parameters are SP-replicated, gradients summed over TP in backward.
+    under SP (norms): its parameters are SP-replicated, gradients summed over TP in backward; an
+    ``nn.Dropout`` draws from the per-TP-rank stream under SP, the replicated one without.
     ``enter_tp``: a module that needs its full-sequence input (one that reshapes by its input's
     shape, like Llama's attention): its hidden states are all-gathered once on entry (g; f without
     SP) and the column layers inside skip their own input communication, so their partial input
@@ -85,6 +87,7 @@ class Parallelized:
     resolved: dict[str, Style] = field(default_factory=dict)  # every module the plan names -> its style
     handles: list = field(default_factory=list)       # region-boundary forward hooks
     grad_handles: list = field(default_factory=list)  # TP-sum hooks of the SP-replicated gradients
+    streams: RNGStreams | None = None  # dropout streams (seqpar.dropin.dropout): "tp" per rank, "replicated"
 
 
 __all__ = ["Kind", "KINDS", "SPLIT", "Style", "KVHeads", "Plan", "Parallelized"]

@@ -4,7 +4,8 @@
 rank, before any collective) -> swap the named ``nn.Linear`` / ``nn.Embedding`` / GPT-2 ``Conv1D``
 modules for seqpar layers holding this rank's slice of the original weights -> re-tie shared
 weights -> tag norm parameters SP-replicated and hook their TP gradient reduction -> divide
-per-rank head counts -> hook the sequence-parallel region's entry and exit (:mod:`.modes`).
+per-rank head counts -> give dropout its RNG streams (:mod:`.dropout`) -> hook the
+sequence-parallel region's entry and exit (:mod:`.modes`).
 
 ``Plan.seq_dim`` names the sequence dim of the hidden states (1 for batch-first ``[b, s, h]``
 models such as Hugging Face's). Under SP the region between
@@ -27,6 +28,7 @@ from ..distributed.collectives import ProcessGroup, check_group, group_size
 from ..distributed.mesh import ParallelMesh
 from ..errors import UserError
 from ..layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, skip_init
+from .dropout import check_dropout, install_streams
 from .kv_heads import check_kv, kv_groups, set_kv_attrs
 from .modes import check_groups, check_sp_plan, install_mode
 from .spec import KINDS, SPLIT, Parallelized, Plan, Style
@@ -73,7 +75,7 @@ def _check_module(name: str, m: nn.Module, style: Style, t: int, groups: tuple[i
     if style.kind == "vocab" and not (linear or isinstance(m, nn.Embedding)):
         return [f"{name} (vocab) must be nn.Embedding, nn.Linear or Conv1D, got {type(m).__name__}"]
     if style.kind not in SPLIT:
-        return []
+        return check_dropout(name, m, style)
     if isinstance(m, nn.Embedding):
         errors = [f"{name}: vocabulary {m.num_embeddings} not divisible by t={t}"] if m.num_embeddings % t else []
         return errors + ([f"{name}: max_norm / sparse embeddings are not supported"] if m.max_norm or m.sparse else [])
@@ -222,8 +224,10 @@ def _refuse_save_pretrained(*args, **kwargs):
                      "the full weights and writes them, with the config, from rank 0)")
 
 
-def _check_arguments(model, plan, mesh) -> None:
+def _check_arguments(model, plan, mesh, seed) -> None:
     """``parallelize``'s arguments are of the types it takes (an error naming the argument)."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise UserError(f"parallelize(seed=...): seed must be an int in [0, 2**63), got {seed!r}")
     for name, value, types, want in (("model", model, nn.Module, "a torch.nn.Module"),
                                      ("plan", plan, (Plan, dict), "a Plan or a dict {pattern: style} "
                                       "(seqpar.plans.gpt2(), seqpar.plans.llama())"),
@@ -234,19 +238,22 @@ def _check_arguments(model, plan, mesh) -> None:
 
 
 def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style], mesh: ParallelMesh | None, *,
-                sequence_parallel: bool = True) -> nn.Module:
+                sequence_parallel: bool = True, seed: int = 0) -> nn.Module:
     """Apply ``plan`` to ``model`` in place over ``mesh``'s TP group and return it.
 
     With no mesh (or ``t == 1``) the modules are still swapped (plain single-rank layers) and no
     hooks are installed, so the same code runs unparallelised. A plan naming missing modules, a
     wrong module type or a size ``t`` does not divide raises ``ValueError`` before anything changes.
-    Frozen parameters stay frozen, buffers stay as they are. Dropout in the model keeps drawing
-    from torch's default generator (seed every rank alike). A ``torch.compile``d model is
+    Frozen parameters stay frozen, buffers stay as they are. Dropout the plan places (its
+    ``"sequence"`` ``nn.Dropout`` s, the attention core of its ``heads`` modules) draws from RNG
+    streams seeded by ``seed`` (``model.seqpar.streams``): per TP rank on sequence shards and
+    heads, alike on every rank on full tensors; other dropout keeps torch's default generator
+    (seed every rank alike) (:mod:`seqpar.dropin.dropout`). A ``torch.compile``d model is
     parallelized inside its wrapper; DDP / FSDP must come after parallelize. The model's own
     ``save_pretrained`` (Hugging Face) is replaced by an error pointing to
     :func:`seqpar.dropin.save_pretrained`, which gathers the weights first.
     """
-    _check_arguments(model, plan, mesh)
+    _check_arguments(model, plan, mesh, seed)
     plan = plan if isinstance(plan, Plan) else Plan(layers=dict(plan))
     _refuse_wrapped(model)
     inner = unwrap(model)
@@ -266,6 +273,7 @@ def parallelize(model: nn.Module, plan: Plan | dict[str, str | Style], mesh: Par
                     setattr(m, a, getattr(m, a) // t)  # this rank's heads / width
     set_kv_attrs(inner, plan, t, _matches)
     state = Parallelized(group, t, sp, swapped, plan=plan, resolved=resolved)
+    state.streams = install_streams(inner, state, mesh, seed, [n for p in plan.heads for n in _matches(inner, p)])
     install_mode(inner, state)
     inner.seqpar = state
     if hasattr(inner, "save_pretrained"):

@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ...distributed.rng import RNGStreams
 from ...dropin import checkpoint_attention
 from ...dropin.wrappers import unwrap
 from ...parallel.grads import clip_grad_norm
@@ -102,11 +101,9 @@ class DropinRun:
         if callable(um.plan):  # your own convert(model, mesh), for a model converted by hand
             model = um.plan(um.model, mesh)
         else:
-            model = parallelize(um.model, um.plan, mesh, sequence_parallel=lay.sp)
+            model = parallelize(um.model, um.plan, mesh, sequence_parallel=lay.sp, seed=seed)
         if lay.recompute == "selective":
-            # a Hugging Face model's attention dropout then draws per TP rank (docs/dropin.md)
-            streams = RNGStreams(seed, tp_rank=mesh.tp_rank) if target.kind == "hf" else None
-            checkpoint_attention(model, streams=streams)
+            checkpoint_attention(model)  # replays the dropout streams parallelize gave the model
         self.inner = unwrap(model)
         self.module = self._data_parallel(model)
         self.parts = [self.inner]
