@@ -48,9 +48,11 @@ def full(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def train(cfg: GPTConfig, mesh: ParallelMesh, steps: int = STEPS, mode: str = "ddp") -> list[dict]:
-    """Per step: the mean loss, dense gradients, the global norm, biases and loads. One process
-    (dp = 1) runs the WORLD micro-batches with accumulation; a dp rank runs its own."""
+def train(cfg: GPTConfig, mesh: ParallelMesh, steps: int = STEPS, mode: str = "ddp",
+          params: bool = False) -> list[dict]:
+    """Per step: the mean loss, dense gradients, the global norm, biases and loads (``params``: and the
+    dense parameters after the step). One process (dp = 1) runs the WORLD micro-batches with
+    accumulation; a dp rank runs its own."""
     model = GPT(cfg, mesh, seed=7)
     dp = DataParallel(model, mesh, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -75,6 +77,8 @@ def train(cfg: GPTConfig, mesh: ParallelMesh, steps: int = STEPS, mode: str = "d
         out.append(dict(loss=total.item() / mesh.dp_size, grads=grads, norm=norm.item(),
                         bias=[full(m.router.expert_bias.detach()).clone() for m in layers],
                         load=[torch.cat([m.step_load, m.step_dropped.view(1)]) for m in layers]))
+        if params:
+            out[-1]["params"] = model.to_dense({n: full(p.detach()) for n, p in model.named_parameters()})
     return out
 
 
