@@ -2,8 +2,9 @@
 dp=2, and from cp=2, through the Trainer's step engine over 3 AdamW steps (losses, every gradient,
 the global norm, the parameters after the steps, the balancing bias and the tokens per expert);
 fp64 gradients at 1e-10; each stage's ep groups lie inside the stage. Broken reductions (the expert
-gradients reduced over dp like dense ones, left unreduced, or left out of the clip's count) are
-caught by the same comparison. All in one 4-rank spawn."""
+gradients reduced over dp like dense ones, left unreduced, or left out of the clip's count; the
+auxiliary losses without the pipeline's 1/n scale) are caught by the same comparison. All in one
+4-rank spawn."""
 import torch
 import torch.distributed as dist
 
@@ -12,7 +13,7 @@ from seqpar.distributed import collectives
 from seqpar.distributed.mesh import ParallelMesh, init_parallel
 from seqpar.model import GPTConfig
 from seqpar.model.moe import moe_layers
-from seqpar.parallel import expert_grads
+from seqpar.parallel import engine as engine_module, expert_grads
 from seqpar.parallel.engine import build_engine
 from seqpar.parallel.grads import clip_grad_norm
 from seqpar.parallel.pipeline import PipelineParallel
@@ -82,7 +83,8 @@ def _clip_without_experts(self, max_norm):
 
 BROKEN = {"experts-over-dp": (expert_grads.ExpertGrads, "reduce", _experts_over_dp),
           "experts-unreduced": (expert_grads.ExpertGrads, "reduce", lambda self: None),
-          "norm-undercount": (PipelineParallel, "clip_grad_norm", _clip_without_experts)}
+          "norm-undercount": (PipelineParallel, "clip_grad_norm", _clip_without_experts),
+          "aux-unscaled": (engine_module, "moe_layers", lambda module: [])}  # the stage's 1/n never set
 
 
 def _run_everything(rank, world):
@@ -116,3 +118,4 @@ def test_expert_parallel_pipeline_stages_equal_one_process_and_broken_reductions
         assert broken["experts-over-dp"]["expert"] > 1e-3, broken    # other ranks' experts' gradients added
         assert broken["experts-unreduced"]["expert"] > 1e-3, broken  # not divided by dp: twice too large
         assert broken["norm-undercount"]["norm"] > 1e-8, broken      # the other dp rank's experts not counted
+        assert broken["aux-unscaled"]["router"] > 1e-3, broken       # aux losses n times too strong
