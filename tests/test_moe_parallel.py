@@ -19,7 +19,7 @@ from seqpar.parallel import expert_grads
 from seqpar.distributed import grad_sync
 from seqpar.distributed.layouts import sp_replicated_parameters
 from seqpar.distributed.regions import copy_to_tp, reduce_from_tp
-from seqpar.model.moe import expert_parameters
+from seqpar.model.moe import expert_parameters, moe_layers
 from seqpar.parallel.data_parallel import DataParallel
 from seqpar.parallel.grads import clip_grad_norm
 
@@ -73,7 +73,7 @@ def train(cfg: GPTConfig, mesh: ParallelMesh, steps: int = STEPS, mode: str = "d
         norm = dp.clip(1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        layers = [b.mlp for b in model.blocks]
+        layers = [m for _, m in moe_layers(model)]
         out.append(dict(loss=total.item() / mesh.dp_size, grads=grads, norm=norm.item(),
                         bias=[full(m.router.expert_bias.detach()).clone() for m in layers],
                         load=[torch.cat([m.step_load, m.step_dropped.view(1)]) for m in layers]))

@@ -130,7 +130,7 @@ class PipelineParallel:
         return clip_grad_norm(self.module, max_norm, tp_group=mesh.tp_group, dp_group=mesh.dp_group,
                               pp_group=mesh.pp_group, exclude=self.norm_exclude(), device=mesh.device,
                               experts=ExpertGrads(self.module, mesh).params, expert_dp_group=mesh.edp_group,
-                              data_group=mesh.dp_cp_group)
+                              data_group=mesh.dp_cp_group, split_experts=mesh.ep_size > 1)
 
     def train(self, mode: bool = True) -> "PipelineParallel":
         self.module.train(mode)
