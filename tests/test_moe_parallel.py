@@ -19,7 +19,7 @@ from seqpar.parallel import expert_grads
 from seqpar.distributed import grad_sync
 from seqpar.distributed.layouts import sp_replicated_parameters
 from seqpar.distributed.regions import copy_to_tp, reduce_from_tp
-from seqpar.model.moe import expert_parameters
+from seqpar.model.moe import expert_parameters, moe_layers
 from seqpar.parallel.data_parallel import DataParallel
 from seqpar.parallel.grads import clip_grad_norm
 
@@ -48,9 +48,11 @@ def full(x: torch.Tensor) -> torch.Tensor:
     return x.full_tensor() if hasattr(x, "full_tensor") else x
 
 
-def train(cfg: GPTConfig, mesh: ParallelMesh, steps: int = STEPS, mode: str = "ddp") -> list[dict]:
-    """Per step: the mean loss, dense gradients, the global norm, biases and loads. One process
-    (dp = 1) runs the WORLD micro-batches with accumulation; a dp rank runs its own."""
+def train(cfg: GPTConfig, mesh: ParallelMesh, steps: int = STEPS, mode: str = "ddp",
+          params: bool = False) -> list[dict]:
+    """Per step: the mean loss, dense gradients, the global norm, biases and loads (``params``: and the
+    dense parameters after the step). One process (dp = 1) runs the WORLD micro-batches with
+    accumulation; a dp rank runs its own."""
     model = GPT(cfg, mesh, seed=7)
     dp = DataParallel(model, mesh, mode)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -71,10 +73,12 @@ def train(cfg: GPTConfig, mesh: ParallelMesh, steps: int = STEPS, mode: str = "d
         norm = dp.clip(1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        layers = [b.mlp for b in model.blocks]
+        layers = [m for _, m in moe_layers(model)]
         out.append(dict(loss=total.item() / mesh.dp_size, grads=grads, norm=norm.item(),
                         bias=[full(m.router.expert_bias.detach()).clone() for m in layers],
                         load=[torch.cat([m.step_load, m.step_dropped.view(1)]) for m in layers]))
+        if params:
+            out[-1]["params"] = model.to_dense({n: full(p.detach()) for n, p in model.named_parameters()})
     return out
 
 

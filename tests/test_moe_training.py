@@ -1,7 +1,6 @@
-"""The shipped moe-tiny-cpu config trains on 4 CPU ranks at ep=2 x tp=2 (SP), and on 2 pipeline stages,
-with the losses of one
-process (the bf16 recipe too, to bf16's precision), logs each MoE layer's tokens per expert, and writes
-a checkpoint one process loads."""
+"""The shipped moe-tiny-cpu config trains on 4 CPU ranks at ep=2 x tp=2 (SP), and on 2 pipeline stages
+with ep=2, with the losses of one process (the bf16 recipe too, to bf16's precision), logs each MoE
+layer's tokens per expert, and writes a checkpoint one process loads."""
 import torch
 
 from run_helpers import run_overrides
@@ -11,14 +10,14 @@ TINY = {"model.vocab_size": 64, "model.seq_len": 16, "model.hidden": 32, "model.
         "train.log_interval": 1, "train.eval_interval": 0, "train.warmup_steps": 1, "checkpoint.interval": 0}
 
 
-def _train(rank, world, overrides, tp, pp=1):
+def _train(rank, world, overrides, tp, pp=1, losses_only=False):
     """fp32 losses, log lines and checkpoint; then the bf16 recipe's losses (its gradient buckets,
-    the experts' over edp)."""
+    the experts' over edp). With ``pp > 1`` or ``losses_only``: the fp32 losses and log lines only."""
     from seqpar import init_parallel
     from seqpar.config import load_run_config
     from seqpar.train.trainer import Trainer
     trainer = Trainer(load_run_config("moe-tiny-cpu", overrides), mesh=init_parallel(tp=tp, pp=pp))
-    if pp > 1:
+    if pp > 1 or losses_only:
         return trainer.fit()["losses"], trainer.engine.log_lines()
     history = trainer.fit()
     bf16 = [*overrides, "train.precision=bf16", "train.steps=2", "checkpoint.interval=0", "checkpoint.resume=never",
@@ -46,8 +45,12 @@ def test_moe_tiny_cpu_trains_at_ep2_tp2_with_the_losses_of_one_process(spawn, tm
     da, db = a.dense_state_dict(), b.dense_state_dict()
     assert max(float((da[k] - db[k]).abs().max()) for k in db) < 1e-5
     assert not torch.equal(da["blocks.1.mlp.experts.w1"][0], da["blocks.1.mlp.experts.w1"][3])
-    # pipeline stages holding MoE layers (pp=2, 1F1B over the step's 2 micro-batches): the same losses;
-    # the first stage logs its MoE layer's load
-    piped, stage_lines = spawn(_train, 2, run_overrides(tmp_path, {**TINY, "parallel.pp": 2}, ckpt="pp"), 1, 2)[0]
-    assert all(abs(a - b) < 1e-5 for a, b in zip(piped, one[0])), (piped, one[0])
-    assert any("tokens per expert" in line for line in stage_lines) and lines[0].split(":")[1] in stage_lines[-1]
+    # pipeline stages holding MoE layers with their experts split over ep=2 of dp=2 (pp=2, 1F1B over
+    # each rank's 2 micro-batches of 1 sequence): the losses and loads of one process at micro_batch=1
+    # (the balancing loss is per micro-batch); the first stage logs its MoE layer's load
+    single = {**TINY, "train.micro_batch": 1}
+    one_mb1 = spawn(_train, 1, run_overrides(tmp_path, single, ckpt="one-mb1"), 1, 1, True)[0]
+    piped, stage_lines = spawn(_train, 4, run_overrides(tmp_path, {**single, "parallel.pp": 2, "parallel.ep": 2},
+                                                        ckpt="pp"), 1, 2)[0]
+    assert all(abs(a - b) < 1e-5 for a, b in zip(piped, one_mb1[0])) and len(piped) == 3, (piped, one_mb1[0])
+    assert stage_lines[-1].split(":")[1] == one_mb1[1][0].split(":")[1], (stage_lines, one_mb1[1])

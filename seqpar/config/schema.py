@@ -280,9 +280,6 @@ class RunConfig(Freezable):
             return
         if moe is None:
             raise UserError(f"parallel.ep={pc.ep} splits experts, but the model has none (set model.moe)")
-        if pc.pp > 1:
-            raise UserError(f"parallel.ep={pc.ep} with parallel.pp={pc.pp} is not supported yet (pipeline stages "
-                            f"reduce their gradients over dp themselves, not the experts' over edp)")
         moe.check_experts_parallel(pc.ep)
         if pc.dp is not None and (pc.dp * pc.cp) % pc.ep:
             raise UserError(f"parallel.ep={pc.ep} must divide parallel.dp x parallel.cp = {pc.dp} x {pc.cp} (experts "

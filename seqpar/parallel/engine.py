@@ -13,7 +13,8 @@ pipelines:
   deferred reduce-scatter before the last); then the dp reductions and the SP grads summed over TP.
 * :class:`PipelineEngine` (``pp > 1``): this rank's stages over
   :class:`~seqpar.parallel.pipeline.PipelineParallel`, which reduces its own gradients (SP grads
-  over TP per stage, the tied token table over the first/last pair, everything over dp). On CUDA
+  over TP per stage, the tied token table over the first/last pair, everything over dp but the
+  routed experts, which go over their edp group as in the plain step). On CUDA
   the bubble is timed (a synchronize per chunk) only on ``timed`` steps.
 * :func:`build_engine` picks one for a resolved run.
 """
@@ -267,9 +268,9 @@ def build_engine(cfg: RunConfig, mesh: ParallelMesh, *, accum: int, precision: P
                  probe: bool = True) -> StepEngine:
     """The engine of a resolved ``cfg`` on ``mesh``: pipeline stages when ``mesh.pp_size > 1``,
     else the GPT over ddp / fsdp (``probe``: measure the first forward's saved activations)."""
+    mesh = expert_parallel(mesh, cfg.parallel.ep)  # ep carved from dp x cp in each stage (collective: every rank)
     if mesh.pp_size > 1:
         return PipelineEngine(cfg, mesh, accum=accum, precision=precision)
-    mesh = expert_parallel(mesh, cfg.parallel.ep)  # ep carved from dp (collective: every rank, same ep)
     return PlainEngine(cfg, mesh, accum=accum, precision=precision, probe=probe)
 
 

@@ -125,14 +125,16 @@ def clip_grad_norm(module: nn.Module, max_norm: float, *, tp_group: ProcessGroup
                    dp_group: ProcessGroup | None = None, pp_group: ProcessGroup | None = None,
                    exclude: Iterable[nn.Parameter] = (), device: torch.device | str | None = None,
                    experts: Iterable[nn.Parameter] = (), expert_dp_group: ProcessGroup | None = None,
-                   data_group: ProcessGroup | None = None) -> torch.Tensor:
+                   data_group: ProcessGroup | None = None, split_experts: bool | None = None) -> torch.Tensor:
     """Global L2 norm of the full model's gradients from this rank's part ``module``, over every
     layout at once (tp splits, FSDP2 dp shards, pp stages, tied copies in ``exclude`` and
     replicated parameters counted once). Scales every gradient of ``module`` in place by
     ``min(1, max_norm / (norm + 1e-6))`` when ``max_norm > 0``. Returns the norm before
     clipping, a float64 0-dim tensor on the grads' device, identical on every rank. A
     collective over each non-trivial group of ``tp_group``, ``dp_group``, ``pp_group``
-    (one scalar each); no host sync."""
+    (one scalar each); no host sync. ``split_experts``: sum the experts' part over ``data_group``
+    (default: when this rank has ``experts``); pipeline stages pass the same value on every stage,
+    since a stage without experts must still join the part's sum over pp."""
     grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
     device = grads[0].device if grads else torch.device(device or "cpu")
     experts = list(experts)
@@ -145,7 +147,7 @@ def clip_grad_norm(module: nn.Module, max_norm: float, *, tp_group: ProcessGroup
     total = squares([p for p in counted if id(p) not in split])
     for group in (tp_group, dp_group, pp_group):
         all_reduce(total, group)
-    if experts:  # split over ep, which dp x cp holds: summed over all data ranks (``data_group``)
+    if bool(experts) if split_experts is None else split_experts:  # split over ep inside dp x cp: ``data_group``
         part = squares([p for p in counted if id(p) in split])
         for group in (tp_group, data_group, pp_group):
             all_reduce(part, group)

@@ -7,7 +7,10 @@ micro-batches through a schedule: ``1F1B`` (m = 1), ``Interleaved1F1B`` (m >= 1)
 ``n`` micro-batches. After the schedule, per step and once each: SP-replicated gradients summed
 over TP, the tied token table's two copies summed over {first, last} stage, and (``reduce_dp``)
 all gradients averaged over DP: with context parallelism one reduction over dp x cp that sums the
-CP ranks' shares and averages over dp.
+CP ranks' shares and averages over dp. Under expert parallelism (ep carved from dp x cp inside each
+stage) the routed experts' gradients are left out of that reduction and summed over their
+expert-data-parallel group instead, divided by dp, by the plain step's own
+:class:`~seqpar.parallel.expert_grads.ExpertGrads`.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh
 from ..errors import UserError
 from ..model.config import GPTConfig
+from .expert_grads import ExpertGrads
 from .grads import clip_grad_norm, sum_tied_grads, tied_embedding_group
 from .stages import StageModule, build_stage_modules, check_stage_split
 from .state import gather_dense, load_stage_dense, stage_dense
@@ -76,6 +80,9 @@ class PipelineParallel:
         check_stage_split(config.layers, mesh.pp_size, virtual_stages)
         self.n_microbatches = mesh.pp_size if n_microbatches is None else n_microbatches
         check_microbatches(self.n_microbatches, mesh.pp_size, self.schedule_name)
+        if mesh.ep_size > 1 and not reduce_dp:
+            raise ValueError(f"reduce_dp=False with ep={mesh.ep_size}: expert gradients are always reduced over "
+                             f"their expert-data-parallel group, so the dp reduction cannot be left to the caller")
         self.mesh, self.virtual_stages, self.reduce_dp = mesh, virtual_stages, reduce_dp
         self.parts: list[StageModule] = build_stage_modules(config, mesh, seed, virtual_stages)
         self.module = nn.ModuleList(self.parts)
@@ -116,10 +123,13 @@ class PipelineParallel:
         return [p.wte.weight for p in self.parts if p.holds_tied_copy]
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Global gradient norm over pp x dp x tp (tied table once), clipping at ``max_norm`` > 0."""
+        """Global gradient norm over pp x dp x tp (tied table once; experts once over dp x cp, on the
+        first rank of their edp group), clipping at ``max_norm`` > 0."""
         mesh = self.mesh
         return clip_grad_norm(self.module, max_norm, tp_group=mesh.tp_group, dp_group=mesh.dp_group,
-                              pp_group=mesh.pp_group, exclude=self.norm_exclude(), device=mesh.device)
+                              pp_group=mesh.pp_group, exclude=self.norm_exclude(), device=mesh.device,
+                              experts=ExpertGrads(self.module, mesh).params, expert_dp_group=mesh.edp_group,
+                              data_group=mesh.dp_cp_group, split_experts=mesh.ep_size > 1)
 
     def train(self, mode: bool = True) -> "PipelineParallel":
         self.module.train(mode)
@@ -217,13 +227,17 @@ class PipelineParallel:
         """SP-replicated grads summed over TP (one coalesced all-reduce for this rank's stages),
         tied copies summed over the first/last pair, then (``reduce_dp``) the mean over DP, in the
         same all-reduce as the sum over cp (each CP rank holds its tokens' share; reduced over cp
-        even without ``reduce_dp``)."""
+        even without ``reduce_dp``); under ep the expert gradients over edp afterwards, divided by
+        dp (one order on every rank of a stage)."""
         mesh = self.mesh
         sync_sp_replicated_grads(self.module, mesh.tp_group)
         sum_tied_grads(self.tied_parameters(), self.tied_group)
         group, dp = (mesh.dp_cp_group, mesh.dp_size) if self.reduce_dp else (mesh.cp_group, 1)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        experts = ExpertGrads(self.module, mesh)  # inactive at ep = 1: every gradient is dense
+        skip = {id(p) for p in experts.params}
+        grads = [p.grad for p in self.parameters() if p.grad is not None and id(p) not in skip]
         all_reduce_coalesced(grads, group, divide_by=dp)
+        experts.reduce()
 
     # ------------------------------------------------------------------ dense state
     def dense_state_dict(self, grads: bool = False) -> dict[str, torch.Tensor]:

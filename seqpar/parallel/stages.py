@@ -21,6 +21,7 @@ from ..layers import column_parallel_linear, vocab_parallel_cross_entropy
 from ..model.config import GPTConfig
 from ..model.context import context_mean_loss, position_rows, split_batch, stream_rank
 from ..model.gpt import GPT
+from ..model.moe_sharding import gather_experts
 from ..model.vocab import check_token_ids, trim_rows
 from ..recompute import plan_recompute, run_plan
 from .. import sharding
@@ -70,6 +71,7 @@ class StageModule(nn.Module):
         self.is_first, self.is_last = index == 0, index == num_stages - 1
         self.tp_group, self.tp_size, self.tp_rank = model.tp_group, model.tp_size, model.tp_rank
         self.cp = model.cp  # context parallelism: the first stage keeps this CP rank's chunks
+        self.mesh = model.mesh  # its ep group: the experts' dense rows are gathered over it
         self.layer_ids = stage_layers(cfg.layers, num_stages, index)
         self.rng = RNGStreams(seed + STAGE_SEED_OFFSET * index, tp_rank=stream_rank(model.mesh),
                               device=model.rng.device)
@@ -139,8 +141,9 @@ class StageModule(nn.Module):
         return context_mean_loss(summed, labels, self.cp)
 
     def to_dense(self, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This stage's per-parameter tensors -> the dense layout (vocabulary rows trimmed). A TP collective."""
-        return trim_rows(sharding.to_dense(self, local, self.tp_group), self.config.vocab_size)
+        """This stage's per-parameter tensors -> the dense layout (vocabulary rows trimmed, experts
+        gathered over ep). A TP (and ep) collective."""
+        return gather_experts(self, trim_rows(sharding.to_dense(self, local, self.tp_group), self.config.vocab_size))
 
 
 def build_stage_modules(config: GPTConfig, mesh, seed: int, virtual_stages: int = 1) -> list[StageModule]:

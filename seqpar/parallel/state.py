@@ -11,6 +11,7 @@ import torch
 
 from .. import sharding
 from ..distributed.collectives import all_gather_object, group_size
+from ..model.moe_sharding import slice_experts
 from ..model.vocab import pad_rows
 
 
@@ -42,7 +43,7 @@ def load_stage_dense(parts, state: dict[str, torch.Tensor]) -> None:
     a missing key or a wrong shape raises ``ValueError`` naming it."""
     for part in parts:
         t = part.tp_size
-        local_state = pad_rows(state, part.config.padded_vocab(t))
+        local_state = slice_experts(part, pad_rows(state, part.config.padded_vocab(t)))  # this ep rank's experts
         expected = dict(part.named_parameters())
         missing = sorted(set(expected) - set(local_state))
         if missing:
