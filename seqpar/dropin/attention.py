@@ -83,19 +83,30 @@ def _selective(impl: str, recompute: bool = True) -> Callable:
             fn = (lambda q, k, v: base(module, q, k, v, attention_mask, **kwargs)[0])
             return (recompute_region(fn, query, key, value) if recompute else fn(query, key, value)), None
         # attention probabilities are exactly what is not kept: none are returned
-        return _eager_core(core, query, key, value, recompute, streams), None
+        return _core_outside_graph()(core, query, key, value, recompute, streams), None
 
     attention.__qualname__ = f"{PREFIX if recompute else STREAMS_PREFIX}_{impl}"
     return attention
 
 
-@torch.compiler.disable  # swapping a stream into the default generator is not traceable: outside the graph
 def _eager_core(core: Callable, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, recompute: bool,
                 streams: RNGStreams | None) -> torch.Tensor:
     """``core(q, k, v)``, checkpointed (``streams`` replayed in backward) when ``recompute``. Under
     torch.compile it runs eagerly between two graphs: attention dropout drawn from seqpar streams
     costs a graph break per attention call (``fullgraph=True`` refuses it)."""
     return checkpoint(core, q, k, v, streams=streams) if recompute else core(q, k, v)
+
+
+_OUTSIDE_GRAPH: list[Callable] = []  # [_eager_core under torch.compiler.disable], made at first use
+
+
+def _core_outside_graph() -> Callable:
+    """:func:`_eager_core` under ``torch.compiler.disable`` (swapping a stream into the default
+    generator is not traceable, so it runs outside the graph). Made at first use, not at import:
+    ``torch.compiler.disable`` imports dynamo, about a second that ``import seqpar`` need not pay."""
+    if not _OUTSIDE_GRAPH:
+        _OUTSIDE_GRAPH.append(torch.compiler.disable(_eager_core))
+    return _OUTSIDE_GRAPH[0]
 
 
 _WRAPPERS = {impl: _selective(impl) for impl in IMPLS}
@@ -109,6 +120,7 @@ def _registered(impl: str, recompute: bool = True) -> str:
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+    _core_outside_graph()  # made before any compiled call can trace a wrapper
     name, wrapper = (f"{PREFIX}_{impl}", _WRAPPERS[impl]) if recompute else \
         (f"{STREAMS_PREFIX}_{impl}", _STREAM_WRAPPERS[impl])
     if ALL_ATTENTION_FUNCTIONS.get(name) is not wrapper:
