@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.distributed
 
 from seqpar.config.errors import UserError, is_user_error
 
@@ -121,14 +122,15 @@ def test_memory_and_plan_refusals_go_through_the_one_error_path(capsys):
     assert len(err) == 2, err
 
 
-def test_train_single_process_and_launcher_print_one_line(tmp_path):
+def test_train_single_process_and_launcher_print_one_line(tmp_path, capsys):
     seqpar = [sys.executable, "-m", "seqpar.cli"]
     common = TINY + [f"checkpoint.dir={tmp_path / 'ckpt'}", f"out_dir={tmp_path / 'out'}"]
     bad = _tokens(tmp_path, bad_id=60000)
-    p = _run(seqpar + ["train", f"data.source={bad}"] + common, tmp_path)
+    p = _cli(["train", f"data.source={bad}"] + common, capsys)  # one process: the command's function here
     _assert_one_line(p, "id 60000", "model.vocab_size")
-    p = _run(seqpar + ["train", f"data.source={_tokens(tmp_path)}", "train.global_batch=7"] + common, tmp_path)
+    p = _cli(["train", f"data.source={_tokens(tmp_path)}", "train.global_batch=7"] + common, capsys)
     _assert_one_line(p, "train.global_batch (7)")
+    assert not torch.distributed.is_initialized(), "a refused one-process run leaves no process group"
     p = _run(seqpar + ["train", "--nproc-per-node", "2", f"data.source={bad}"] + common, tmp_path)
     # printed once, naming the ranks that reported it before the launcher stopped the others
     _assert_one_line(p, "id 60000")
@@ -201,7 +203,7 @@ def test_checkpoints_that_are_unsafe_outside_or_in_use_are_one_line(tmp_path, ca
     ckpt = tmp_path / "ckpt"
     common = TINY + [f"data.source={_tokens(tmp_path)}", f"checkpoint.dir={ckpt}", f"out_dir={tmp_path / 'out'}",
                      "checkpoint.interval=2"]
-    p = _run(seqpar + ["train"] + common, tmp_path)
+    p = _cli(["train"] + common, capsys)
     assert p.returncode == 0, p.stderr[-3000:]
     step = ckpt / "step_00000002"
     with open_checkpoint_dir(ckpt, is_first=True):  # another job holds the dir
@@ -223,7 +225,7 @@ def test_checkpoints_that_are_unsafe_outside_or_in_use_are_one_line(tmp_path, ca
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
-def test_launcher_prints_each_rank_refusal_with_one_rank_as_with_two(tmp_path, nproc):
+def test_launcher_prints_each_rank_refusal_with_one_rank_as_with_two(tmp_path, nproc, capsys):
     """`seqpar train --nproc-per-node N`: a rank's user error is one line and exit 2 for N = 1 too
     (before the fix one rank's line had no "rank R:" prefix, so the launcher printed only "rank 0
     failed (exit code 2)" and exited 1). Refusals: data missing or bad, a world the layout does
@@ -233,7 +235,7 @@ def test_launcher_prints_each_rank_refusal_with_one_rank_as_with_two(tmp_path, n
     ckpt = tmp_path / "ckpt"
     common = TINY + [f"checkpoint.dir={ckpt}", f"out_dir={tmp_path / 'out'}", f"parallel.tp={nproc}"]
     good = f"data.source={_tokens(tmp_path)}"
-    p = _run(seqpar + ["train", good, "checkpoint.interval=2"] + common[:-1], tmp_path)  # one process
+    p = _cli(["train", good, "checkpoint.interval=2"] + common[:-1], capsys)  # one process, in this one
     assert p.returncode == 0, p.stderr[-3000:]
     launch = seqpar + ["train", "--nproc-per-node", str(nproc)]
     cases = [([good, "model.layers=3", "checkpoint.resume=auto"], "holds another model than this run: "

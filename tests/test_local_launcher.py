@@ -77,8 +77,8 @@ def test_a_failing_rank_is_reraised_with_its_rank_and_traceback(tmp_path):
 
 
 def test_a_hung_rank_is_killed_by_the_timeout(tmp_path):
-    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0.*\] of 2 still running _hang after 15 s; killed"):
-        run_local(_hang, 2, str(tmp_path), timeout=15, tmp_dir=tmp_path)
+    with pytest.raises(TimeoutError, match=r"rank\(s\) \[0.*\] of 2 still running _hang after 5 s; killed"):
+        run_local(_hang, 2, str(tmp_path), timeout=5, tmp_dir=tmp_path)
     assert multiprocessing.active_children() == []
     for marker in tmp_path.glob("rank*.pid"):  # every rank that got as far as fn is gone
         with pytest.raises(ProcessLookupError):
