@@ -28,6 +28,7 @@ from ..sharding import local_tensor
 from ..model.modes import DATA_PARALLEL_MODES
 from .fsdp import apply_fsdp, set_micro_batch, sync_sharded_sp_grads
 from .grad_buckets import DEFAULT_BUCKET_MIB, GradBuckets
+from ..model.moe import moe_layers
 from .expert_grads import ExpertGrads, finish_moe_step
 from .grads import clip_grad_norm
 
@@ -49,6 +50,7 @@ class DataParallel:
         self.buckets = None  # ddp + the bf16 recipe: GradBuckets, reduced while backward runs
         self.norm_group = mesh.dp_group  # the ranks whose gradients differ: dp, or dp x cp when sharded
         self.experts = ExpertGrads(model, mesh)  # ep > 1: expert grads reduced over edp, not by DDP/FSDP
+        self.has_moe = bool(moe_layers(model))  # a dense model's step never looks for experts
         self.expert_buckets = None  # ep > 1 + the bf16 recipe: expert grads in buckets over edp, after the rest
         if self.sharded:
             shard_mesh = mesh.dp_cp_mesh
@@ -107,13 +109,15 @@ class DataParallel:
             sync_sharded_sp_grads(self.model, tp)
         else:
             sync_sp_replicated_grads(self.model, tp)
-        self.experts.reduce()  # over edp, divided by dp (under FSDP2: its edp mean, scaled by 1/ep)
-        finish_moe_step(self.model, self.mesh.dp_group)  # counts are summed over tp (SP) and cp already
+        if self.has_moe:
+            self.experts.reduce()  # over edp, divided by dp (under FSDP2: its edp mean, scaled by 1/ep)
+            finish_moe_step(self.model, self.mesh.dp_group)  # counts are summed over tp (SP) and cp already
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global gradient norm of the full model before clipping (clipped in place when > 0)."""
         return clip_grad_norm(self.model, max_norm, tp_group=self.mesh.tp_group, dp_group=self.norm_group,
-                              device=self.mesh.device, experts=self.experts.params, expert_dp_group=self.mesh.edp_group,
+                              device=self.mesh.device, experts=self.experts.params if self.has_moe else (),
+                              expert_dp_group=self.mesh.edp_group,
                               data_group=self.mesh.dp_cp_group)
 
 

@@ -117,7 +117,8 @@ class PlainEngine(StepEngine):
         self.probe = ActivationProbe(self.model, mesh.device) if probe else None
 
     def _measure(self):
-        return self.probe.measure() if self.probe is not None else contextlib.nullcontext()
+        probe = self.probe  # the first forward only: later steps do not call into the probe at all
+        return probe.measure() if probe is not None and probe.measured is None else contextlib.nullcontext()
 
     def forward_backward(self, micro_batches: Sequence[Batch], *, timed: bool = False) -> torch.Tensor:
         """Under the bf16 recipe each micro-batch runs on bf16 copies made once per step, their
