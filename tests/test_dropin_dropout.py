@@ -139,3 +139,29 @@ def test_hugging_face_gradient_checkpointing_replays_the_streams_with_replay_str
     assert torch.equal(got, ref) and all(torch.equal(grads[n], g) for n, g in ref_grads.items())
     with pytest.raises(ValueError, match="replay_streams: GPT2LMHeadModel was not parallelized"):
         replay_streams(gpt2())
+
+
+def test_hugging_face_gradient_checkpointing_without_replay_streams_is_refused():
+    """Before: checkpointing without ``context_fn=replay_streams(model)`` recomputed each layer with
+    new masks from the streams, and the gradients were silently wrong. Now the first training
+    forward refuses it in one line naming the fix; evaluation, no-grad and dropout-free models run."""
+    from seqpar.dropin import replay_streams
+
+    model = parallelize(gpt2(**GPT2_DROPOUT), plans.gpt2(), None)
+    model.activation_checkpointing_enable({"use_reentrant": False})
+    with pytest.raises(UserError, match=r"GPT2LMHeadModel: gradient checkpointing is on.*replay_streams\(model\)"):
+        loss_of(model, batch())
+    other = parallelize(gpt2(**GPT2_DROPOUT), plans.gpt2(), None)  # another model's streams do not replay these
+    model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": replay_streams(other)})
+    with pytest.raises(UserError, match="gradient checkpointing is on"):
+        loss_of(model, batch())
+    with torch.no_grad():
+        loss_of(model, batch())
+    model.eval()
+    loss_of(model, batch())
+    model.train()
+    model.activation_checkpointing_enable({"use_reentrant": False, "context_fn": replay_streams(model)})
+    loss_of(model, batch()).backward()
+    plain = parallelize(gpt2(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0), plans.gpt2(), None)
+    plain.activation_checkpointing_enable({"use_reentrant": False})
+    loss_of(plain, batch()).backward()  # nothing to replay: no dropout draws

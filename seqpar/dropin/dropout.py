@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from ..distributed.mesh import ParallelMesh
 from ..distributed.rng import RNGStreams
+from ..errors import UserError
 from ..model.context import stream_rank
 from ..model.gpt import Dropout
 from .attention import use_streams
@@ -60,8 +61,45 @@ def install_streams(model: nn.Module, state: Parallelized, mesh: ParallelMesh | 
         if style.kind == "sequence" and type(m) is nn.Dropout:
             parent, _, leaf = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, leaf, Dropout(m.p, streams, "replicated"))
-    use_streams(model, [model.get_submodule(n) for n in heads], streams)
+    heads_modules = [model.get_submodule(n) for n in heads]
+    use_streams(model, heads_modules, streams)
+    if _draws_dropout(model, heads_modules):
+        model.register_forward_pre_hook(_ReplayCheck(model, streams))
     return streams
+
+
+def _draws_dropout(model: nn.Module, heads: list[nn.Module]) -> bool:
+    """Some dropout of ``model`` has p > 0 (a dropout module, or an attention module's own rate)."""
+    return any(isinstance(m, (nn.modules.dropout._DropoutNd, Dropout)) and m.p > 0 for m in model.modules()) or \
+        any(float(getattr(m, "attention_dropout", 0.0) or 0.0) > 0 for m in heads)
+
+
+class _ReplayCheck:
+    """A forward pre-hook of a parallelized model whose dropout draws from its streams: refuses a
+    training forward under gradient checkpointing (Hugging Face's, which sets
+    ``gradient_checkpointing`` and ``_gradient_checkpointing_func`` on its layers) whose
+    ``context_fn`` is not :func:`replay_streams` of this model. Without it each recomputed layer
+    would draw new masks from the streams: gradients silently wrong."""
+
+    def __init__(self, model: nn.Module, streams: RNGStreams):
+        self.streams = streams
+        self.layers = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]  # found once
+
+    def __call__(self, module: nn.Module, args) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return
+        for layer in self.layers:
+            if getattr(layer, "gradient_checkpointing", False) is not True:
+                continue
+            fn = getattr(layer, "_gradient_checkpointing_func", None)
+            context_fn = (getattr(fn, "keywords", None) or {}).get("context_fn")
+            if getattr(context_fn, "seqpar_streams", None) is not self.streams:
+                raise UserError(
+                    f"{type(module).__name__}: gradient checkpointing is on, and this model's dropout draws from "
+                    f"seqpar's RNG streams, which torch.utils.checkpoint does not replay: the recomputed masks "
+                    f"would differ from the forward's and the gradients would be wrong. Enable it with "
+                    f"model.activation_checkpointing_enable({{'use_reentrant': False, "
+                    f"'context_fn': seqpar.dropin.replay_streams(model)}}), or set the dropouts to 0")
 
 
 def set_dropout_streams(model: nn.Module, state: Parallelized) -> None:
@@ -97,6 +135,7 @@ def replay_streams(model: nn.Module) -> Callable[[], tuple]:
             finally:
                 streams.set_state(current)
         return forward(), recompute()
+    context_fn.seqpar_streams = streams  # what a parallelized model's checkpointing check looks for
     return context_fn
 
 
