@@ -147,6 +147,9 @@ LAYOUTS = {
     "ep2-edp2": (1, 2, "ddp", {}),
     "ep2xtp2-sp": (2, 2, "ddp", {"capacity_factor": 1.0}),
     "ep2-edp2-fsdp": (1, 2, "fsdp", {}),
+    # the experts' fc1 and activation recomputed in backward, under FSDP2 over edp (its all-gathers
+    # must hand the recomputation the same expert weights)
+    "ep2-edp2-fsdp-recompute-experts": (1, 2, "fsdp", {"recompute_experts": True}),
     "ep2xtp2-no-sp": (2, 2, "ddp", {"sequence_parallel": False}),
     "ep2xtp2-expert-tp": (2, 2, "ddp", {"expert_tp": True}),
     "ep2xtp2-expert-tp-fsdp-no-sp": (2, 2, "fsdp", {"expert_tp": True, "sequence_parallel": False}),
