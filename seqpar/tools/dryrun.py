@@ -76,8 +76,8 @@ class RankRun:
     layers_built: int                   # transformer layers built on this rank (kept or not)
     parameters: int                     # parameters on this rank (its shards)
     micro_batches: int                  # micro-batches of the step on this rank
-    state: dict[str, int]               # parameters / gradients / optimizer bytes after the step, and of
-                                        # them the routed experts' (expert_parameters / expert_gradients)
+    state: dict[str, int]               # parameters / gradients / optimizer bytes after the step
+    experts: dict[str, int]             # of them the routed experts': parameters / gradients
     saved: dict[str, int]               # peak saved activations: "layers", "outside_layers"
     comm: list[dict]                    # StepComm.table(): collectives by group and kind
     precision: str                      # the resolved train.precision
@@ -236,7 +236,8 @@ def saved_activations(engine: StepEngine) -> dict[str, int]:
 def step(run: ResolvedRun, engine: StepEngine, optimizer: torch.optim.Optimizer, names: dict[str, str],
          mode: FakeRun | None = None):
     """One optimizer step by the Trainer's step function (:func:`~seqpar.train.step.run_step`), its
-    collectives recorded; returns ``(StepComm, state bytes)``. ``mode``: the dry run's
+    collectives recorded; returns ``(StepComm, state bytes)`` (with the routed experts' parameter
+    and gradient bytes, ``expert_parameters`` / ``expert_gradients``). ``mode``: the dry run's
     :class:`FakeRun`, which counts the ``c10d`` operators (else a
     :class:`~seqpar.tools.dryrun_comm.RawCollectives` mode does)."""
     with record_step(engine.module, names, raw=mode is None) as comm:
@@ -285,7 +286,9 @@ def _run_rank(run: ResolvedRun, rank: int, device: str) -> RankRun:
         return RankRun(rank=rank, world=run.world_size, coords=_coords(engine.mesh),
                        stages=[getattr(p, "index", 0) for p in engine.parts], layers_built=layers_built,
                        parameters=sum(p.numel() for p in engine.module.parameters()), micro_batches=run.accum,
-                       state=state, saved=saved_activations(engine), comm=comm.table(), precision=precision.name)
+                       state={k: state[k] for k in ("parameters", "gradients", "optimizer")},
+                       experts={k: state[f"expert_{k}"] for k in ("parameters", "gradients")},
+                       saved=saved_activations(engine), comm=comm.table(), precision=precision.name)
 
 
 def dry_run_rank(run: ResolvedRun, rank: int, device: str = "cuda") -> RankRun:

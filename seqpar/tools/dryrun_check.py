@@ -123,15 +123,15 @@ def required_collectives(run: ResolvedRun, r: RankRun) -> dict[tuple[str, str], 
     shards = run.dp * pc.cp
     group = "dp x cp" if pc.cp > 1 and run.dp > 1 else ("cp" if pc.cp > 1 else "dp")  # mesh.dp_cp_group
     experts = pc.ep > 1  # the routed experts' gradients go over edp instead (dryrun_experts.expert_needs)
-    params = r.state["parameters"] - (r.state.get("expert_parameters", 0) if experts else 0)
-    grads = r.state["gradients"] - (r.state.get("expert_gradients", 0) if experts else 0)
+    params = r.state["parameters"] - (r.experts["parameters"] if experts else 0)
+    grads = r.state["gradients"] - (r.experts["gradients"] if experts else 0)
     if run.dp_mode == "fsdp" and shards > 1:
         compute = 2 if r.precision == "bf16" else 4
         need[(group, "all_gather")] = ("FSDP2's parameter gathers", params * shards * compute / 4)
         need[(group, "reduce_scatter")] = ("FSDP2's gradient reduce-scatters", grads * shards)
     elif run.dp > 1:
         need[(group, "all_reduce")] = ("the data-parallel gradient reduction", grads)
-    return {**need, **expert_needs(run, r.state, r.precision)}
+    return {**need, **expert_needs(run, r.experts, r.precision)}
 
 
 def _problems(run: ResolvedRun, r: RankRun, check: Check) -> list[str]:

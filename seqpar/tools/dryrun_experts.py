@@ -65,20 +65,21 @@ def expert_comm(run: ResolvedRun, layers: list[int], act: int, micro_batches: in
     return {"measured": measured, "formula": (calls, total)}
 
 
-def expert_needs(run: ResolvedRun, state: dict[str, int], precision: str) -> dict[tuple[str, str], tuple[str, float]]:
-    """``(group, kind) -> (why, least bytes)`` the routed experts' gradients need over edp (> 1):
+def expert_needs(run: ResolvedRun, experts: dict[str, int], precision: str) -> dict[tuple[str, str], tuple[str, float]]:
+    """``(group, kind) -> (why, least bytes)`` the routed experts (``experts``: their parameter and
+    gradient bytes on this rank) need over edp (> 1):
     all-reduced (ddp, pipeline stages), or under FSDP2 gathered and reduce-scattered over edp."""
     pc = run.cfg.parallel
     edp = run.dp * pc.cp // pc.ep
-    if pc.ep == 1 or edp == 1 or not state.get("expert_gradients"):
+    if pc.ep == 1 or edp == 1 or not experts["gradients"]:
         return {}
     if run.dp_mode == "fsdp" and pc.pp == 1:
         compute = 2 if precision == "bf16" else 4
         return {("edp", "all_gather"): ("FSDP2's gathers of the experts over edp",
-                                        state["expert_parameters"] * edp * compute / 4),
+                                        experts["parameters"] * edp * compute / 4),
                 ("edp", "reduce_scatter"): ("FSDP2's reduce-scatters of the experts' gradients over edp",
-                                            state["expert_gradients"] * edp)}
-    return {("edp", "all_reduce"): ("the experts' gradient reduction over edp", state["expert_gradients"])}
+                                            experts["gradients"] * edp)}
+    return {("edp", "all_reduce"): ("the experts' gradient reduction over edp", experts["gradients"])}
 
 
 __all__ = ["expert_comm", "expert_needs", "is_moe", "layer_dims", "paper_comm", "seqpar_layer_comm"]
