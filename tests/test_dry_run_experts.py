@@ -9,6 +9,7 @@ import torch
 
 from seqpar import cli
 from seqpar.config import load_run_config
+from seqpar.errors import UserError
 from seqpar.memory.moe import all_to_all_bytes, all_to_all_wire_bytes, expert_layer_comm
 from seqpar.tools.dryrun_check import VERIFY_TOLERANCE
 from seqpar.tools.dryrun_report import dry_run, report
@@ -99,3 +100,19 @@ def test_plan_verify_dry_runs_an_ep_layout(capsys):
     ratios = [float(m.group(1)) for m in re.finditer(r"\| (?:activations|parameters|optimizer) \| [^|]+ \| [^|]+ \| "
                                                      r"([\d.]+) \|", out)]
     assert len(ratios) == 3 and all(abs(x - 1) <= VERIFY_TOLERANCE for x in ratios), ratios
+
+
+def test_pipeline_stages_with_ep_exchange_the_formulas_bytes():
+    # pp=2 x ep=2 x t=2: each stage's ep group inside the stage; ranks 0 (layers 0-1) and 4 (layers 2-3)
+    results = dry_run(load_run_config("moe-tiny-cpu", ["parallel.pp=2", *EP[:2], "train.micro_batch=2",
+                                                       "train.precision=bf16"]), 8, device="cuda")
+    assert [r.rank for _, r, _ in results] == [0, 4]
+    for run, r, check in results:
+        assert check.expert_comm["measured"] == check.expert_comm["formula"] and not check.problems
+        ratios = {part: m / p for part, m, p in check.rows if m is not None and p}
+        assert all(ratios[part] == pytest.approx(1, abs=1e-3) for part in ("parameters", "gradients", "optimizer"))
+
+
+def test_a_capacity_factor_is_refused_naming_the_value():
+    with pytest.raises(UserError, match=r"capacity_factor=1.25: a dry run cannot tell which assignments it drops"):
+        _one([*EP, "model.moe.capacity_factor=1.25"])

@@ -273,6 +273,7 @@ def _run_rank(run: ResolvedRun, rank: int, device: str) -> RankRun:
     pc = run.cfg.parallel
     if world_group() is not None:
         raise UserError("a dry run needs a process without a process group (it makes a fake one of its own)")
+    dryrun_routing.check_routing(run.cfg.model)
     with fake_world(run.world_size, rank):
         mesh = init_parallel(pc.tp, run.dp, pp=pc.pp, cp=pc.cp)
         if mesh.cp_size > 1:

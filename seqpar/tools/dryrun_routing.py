@@ -17,8 +17,20 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_leaves
 
+from ..errors import UserError
+
 BINCOUNT = torch.ops.aten.bincount.default
 ALL_TO_ALL = torch.ops.c10d.alltoall_base_.default
+
+
+def check_routing(model) -> None:
+    """Refuse what the stand-in cannot answer: a capacity factor drops assignments by their place in
+    an expert's queue, a boolean mask of the router's values whose size no fake tensor knows."""
+    moe = getattr(model, "moe", None)
+    if moe is not None and moe.capacity_factor is not None:
+        raise UserError(f"model.moe.capacity_factor={moe.capacity_factor:g}: a dry run cannot tell which assignments "
+                        f"it drops (they depend on the router's values); dry-run the dropless model "
+                        f"(model.moe.capacity_factor=null), the planner's assumption")
 
 
 def balanced_counts(assignments: int, bins: int) -> torch.Tensor:
