@@ -18,8 +18,10 @@ What a fake run cannot read is a fake tensor's value. The token batches are real
 kilobytes), and :class:`FakeRun` computes what depends on them alone for real, so the model's
 checks of token ids run as they do in training. Two reads of fake values are answered as every
 rank would answer them: the pipeline schedule's warm-up vote (every stage has static shapes) and
-the step's flags (a finite loss, no stop, finite gradients: the optimizer step is taken). Any
-other read stops the run naming the line.
+the step's flags (a finite loss, no stop, finite gradients: the optimizer step is taken). An MoE
+layer's routing (its tokens per expert, and under ep the counts exchanged and read for the
+all-to-all's splits) is answered as the planner assumes it, balanced
+(:mod:`seqpar.tools.dryrun_routing`). Any other read stops the run naming the line.
 """
 from __future__ import annotations
 
