@@ -80,7 +80,14 @@ def test_the_report_prints_the_ep_table_and_the_routing_stand_in():
     out = lines[0]
     assert "(pp 0/1, dp 0/4, ep 0/2, tp 0/2)" in out and "| all_to_all | ep |" in out and "| all_reduce | edp |" in out
     assert re.search(r"\| measured in the MoE layers \| 5 \| [\d.]+ KiB \| 1\.000 \|", out)
-    assert "routing: balanced stand-in" in out and "n k / E" in out
+    assert "routing: balanced stand-in" in out and "n k / E" in out and "every ep peer routes alike" in out
+    # without ep an MoE model routes by the same stand-in (its counts are values too) and says so
+    (run, r, check), = dry_run(load_run_config("moe-tiny-cpu", ["parallel.tp=2", "train.precision=bf16"]), 2,
+                               device="cuda")
+    lines = []
+    report("moe-tiny-cpu", [(run, r, check)], print_=lines.append)
+    assert "routing: balanced stand-in" in lines[0] and "ep per MoE layer" not in lines[0] and not check.problems
+    assert all(abs(m / p - 1) < 0.03 for part, m, p in check.rows if m is not None and p)
 
 
 def test_a_missing_all_to_all_is_a_problem(monkeypatch):

@@ -69,19 +69,21 @@ def _layer_table(check: Check) -> list[str]:
 
 
 def _expert_table(run: ResolvedRun, check: Check) -> list[str]:
-    """All-to-alls over ep per MoE layer and micro-batch, measured and by formula, and how the dry
-    run routed (:mod:`seqpar.tools.dryrun_routing`)."""
+    """An MoE model's lines: all-to-alls over ep per MoE layer and micro-batch, measured and by
+    formula (under ep), and how the dry run routed (:mod:`seqpar.tools.dryrun_routing`)."""
     ec, moe = check.expert_comm, run.cfg.model.moe
-    if not ec:
+    if moe is None:
         return []
-    rows = (("measured in the MoE layers", "measured"),
-            ("formula (seqpar/memory/moe.py, even load)", "formula"))
-    lines = ["| ep per MoE layer and micro-batch | all_to_all calls | bytes | ratio |", "|---|---:|---:|---:|"]
-    lines += [f"| {label} | {ec[key][0]:g} | {human(ec[key][1])} | {_ratio(ec[key][1], ec['formula'][1])} |"
-              for label, key in rows]
-    return ["", *lines, "", f"routing: balanced stand-in (fake tensors have no router values): each of the "
-            f"{moe.experts} experts gets n k / E = 1/{moe.experts} of a rank's n x {moe.top_k} assignments, and "
-            f"every ep peer routes alike; a real router's uneven load sends more to some ranks"]
+    lines = []
+    if ec:
+        rows = (("measured in the MoE layers", "measured"), ("formula (seqpar/memory/moe.py, even load)", "formula"))
+        lines = ["", "| ep per MoE layer and micro-batch | all_to_all calls | bytes | ratio |", "|---|---:|---:|---:|"]
+        lines += [f"| {label} | {ec[key][0]:g} | {human(ec[key][1])} | {_ratio(ec[key][1], ec['formula'][1])} |"
+                  for label, key in rows]
+    peers = ", and every ep peer routes alike" if run.cfg.parallel.ep > 1 else ""
+    return [*lines, "", f"routing: balanced stand-in (fake tensors have no router values): each of the "
+            f"{moe.experts} experts gets n k / E = 1/{moe.experts} of a rank's n x {moe.top_k} assignments{peers}; "
+            f"a real router's uneven load is not seen"]
 
 
 def rank_text(name: str, run: ResolvedRun, r: RankRun, check: Check, gpu: GPU | None) -> str:
