@@ -107,4 +107,60 @@ def all_to_all_wire_bytes(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, e
     return Fraction(rows, 2 * ep) * Fraction(ep - 1, ep)
 
 
-__all__ = ["all_to_all_bytes", "all_to_all_wire_bytes", "moe_ffn_terms"]
+def expert_layer_comm(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, ep: int,
+                      recompute: str = "selective") -> dict[str, tuple[int, int]]:
+    """The all-to-alls over ep ONE rank issues in one MoE layer for one micro-batch, forward and
+    backward: ``{"all_to_all": (calls, bytes)}``, the bytes as the communication counter records
+    them (each call's whole input, :func:`all_to_all_bytes` divided by ``ep``), dropless with an even
+    load: the counts, the rows out and back; backward the rows both ways (the counts carry no
+    gradient); a full recompute repeats the forward's three. Nothing at ``ep = 1``."""
+    if ep == 1:
+        return {}
+    one = all_to_all_bytes(cfg, s=s, b=b, t=t, act=act, ep=ep)
+    calls, nbytes = 5, one["counts"] + one["forward_rows"] + one["backward_rows"]
+    if recompute == "full":
+        calls, nbytes = calls + 3, nbytes + one["counts"] + one["forward_rows"]
+    return {"all_to_all": (calls, nbytes // ep)}
+
+
+def moe_layer_comm(cfg: GPTConfig, *, s: int, b: int, t: int, act: int,
+                   recompute: str = "selective") -> dict[str, tuple[int, int]]:
+    """The TP collectives seqpar's MoE layer issues for one micro-batch, forward and backward, as
+    :func:`seqpar.memory.comm.layer_comm` counts a dense layer's (``kind -> (calls, bytes)``):
+    attention's half of them; the MLP's half again for shared experts (a TP-split MLP); under
+    expert-TP the tokens and routing weights brought to the experts (g, or f without SP) and the
+    outputs back (g-bar, f-bar), the expert ids gathered; under SP the router's sums over the TP
+    group (the counts, ``E`` int64; the balancing loss's probabilities, ``E`` fp32; the z-loss, one
+    fp32; a capacity's counts gathered and kept ones summed). A full recompute repeats the forward's."""
+    from .comm import layer_comm
+    if t == 1:
+        return {}
+    moe, h, sp = cfg.moe, cfg.hidden, cfg.sequence_parallel
+    dense = layer_comm(s=s, b=b, h=h, t=t, act=act, sequence_parallel=sp, recompute=recompute)
+    halves = 2 if moe.shared_experts else 1
+    out = {kind: [c // 2 * halves, n // 2 * halves] for kind, (c, n) in dense.items()}
+    r = 8 if act == 8 else 4                    # the router's dtype: fp32 (fp64 for an fp64 model)
+    fwd: list[tuple[str, int]] = []             # (kind, bytes) of the forward's collectives
+    n_all = s * b                               # the TP group's tokens
+    if moe.expert_tp:
+        tokens, weights = n_all * h * act, n_all * moe.top_k * r
+        if sp:
+            fwd += [("all_gather", tokens), ("all_gather", weights), ("all_gather", n_all * moe.top_k * 8),
+                    ("reduce_scatter", tokens)]
+            bwd = [("reduce_scatter", tokens), ("reduce_scatter", weights), ("all_gather", tokens)]
+        else:
+            fwd, bwd = [("all_reduce", tokens)], [("all_reduce", tokens), ("all_reduce", weights)]
+    else:
+        bwd = []
+    if sp:
+        fwd += [("all_reduce", moe.experts * 8)]
+        fwd += [("all_reduce", moe.experts * r)] if moe.aux_loss_coeff > 0 else []
+        fwd += [("all_reduce", r)] if moe.z_loss_coeff > 0 else []
+        fwd += [("all_gather", t * moe.experts * 8), ("all_reduce", 8)] if moe.capacity_factor is not None else []
+    for kind, nbytes in fwd * (2 if recompute == "full" else 1) + bwd:
+        row = out.setdefault(kind, [0, 0])
+        row[0], row[1] = row[0] + 1, row[1] + nbytes
+    return {kind: (c, n) for kind, (c, n) in out.items()}
+
+
+__all__ = ["all_to_all_bytes", "all_to_all_wire_bytes", "expert_layer_comm", "moe_ffn_terms", "moe_layer_comm"]

@@ -18,8 +18,10 @@ What a fake run cannot read is a fake tensor's value. The token batches are real
 kilobytes), and :class:`FakeRun` computes what depends on them alone for real, so the model's
 checks of token ids run as they do in training. Two reads of fake values are answered as every
 rank would answer them: the pipeline schedule's warm-up vote (every stage has static shapes) and
-the step's flags (a finite loss, no stop, finite gradients: the optimizer step is taken). Any
-other read stops the run naming the line.
+the step's flags (a finite loss, no stop, finite gradients: the optimizer step is taken). An MoE
+layer's routing (its tokens per expert, and under ep the counts exchanged and read for the
+all-to-all's splits) is answered as the planner assumes it, balanced
+(:mod:`seqpar.tools.dryrun_routing`). Any other read stops the run naming the line.
 """
 from __future__ import annotations
 
@@ -38,10 +40,12 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from torch.utils._pytree import tree_leaves
 
 from ..distributed.collectives import world_group
+from ..distributed.layouts import local_tensor
 from ..distributed.local import fake_world
 from ..distributed.mesh import ParallelMesh, init_parallel
 from ..errors import UserError
 from ..model.gpt import Block
+from ..model.moe import expert_parameters
 from ..model.modes import resolve_attention
 from ..parallel.data_parallel import state_bytes
 from ..parallel.engine import PipelineEngine, StepEngine, build_engine
@@ -50,12 +54,17 @@ from ..train import step as train_step
 from ..train.optim import build_optimizer
 from ..train.resolve import ResolvedRun
 from .dryrun_comm import StepComm, group_names, record_step
+from . import dryrun_routing
 from .dryrun_sdpa import TargetAttention
 
 # value reads a fake step cannot compute, answered as every rank would answer them:
 # (function, a part of its file's path) -> the value read
 ANSWERS = {("_warmup_p2p", "pipelining"): 1,        # the schedule's warm-up vote: every stage has static shapes
            ("agree", train_step.__file__): 0}        # the step's flags: finite loss, no stop, finite gradients
+
+# where a tensor made from host values (``torch.tensor([...])``) is host bookkeeping, kept real so
+# it can be read: a DeviceMesh's rank table (FSDP2's mesh of the edp ranks is made inside the build)
+HOST_BOOKKEEPING = ("torch/distributed/device_mesh.py",)
 
 
 @dataclass
@@ -64,12 +73,13 @@ class RankRun:
 
     rank: int
     world: int
-    coords: dict[str, tuple[int, int]]  # "pp" / "dp" / "cp" / "tp" -> (this rank's index, size)
+    coords: dict[str, tuple[int, int]]  # "pp" / "dp" / "cp" / "ep" / "tp" -> (this rank's index, size)
     stages: list[int]                   # pipeline stages (model chunks) this rank holds
     layers_built: int                   # transformer layers built on this rank (kept or not)
     parameters: int                     # parameters on this rank (its shards)
     micro_batches: int                  # micro-batches of the step on this rank
     state: dict[str, int]               # parameters / gradients / optimizer bytes after the step
+    experts: dict[str, int]             # of them the routed experts': parameters / gradients
     saved: dict[str, int]               # peak saved activations: "layers", "outside_layers"
     comm: list[dict]                    # StepComm.table(): collectives by group and kind
     precision: str                      # the resolved train.precision
@@ -93,8 +103,15 @@ class FakeRun(FakeTensorMode):
     def dispatch(self, func, types, args=(), kwargs=None):
         if self.comm is not None:
             self.comm.observe(func, args)
+        routed = dryrun_routing.answer(func, args, kwargs)
+        if routed is not None:
+            return routed
+        if func in self.lift_fns and _real_only(args, kwargs) and _inside(HOST_BOOKKEEPING):
+            return args[0]  # e.g. FSDP2's DeviceMesh of the edp ranks: its rank table stays real
         if func not in self.lift_fns and _real_only(args, kwargs):
-            return func(*args, **(kwargs or {}))
+            out = func(*args, **(kwargs or {}))
+            dryrun_routing.mirror_counts(func, args)
+            return out
         if func is not torch.ops.aten._local_scalar_dense.default:
             return super().dispatch(func, types, args, kwargs)
         try:
@@ -111,6 +128,16 @@ def _real_only(args, kwargs) -> bool:
     """Whether the operator's tensor arguments are all plain real tensors (and there is one)."""
     tensors = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
     return bool(tensors) and all(type(x) is torch.Tensor for x in tensors)
+
+
+def _inside(files: tuple[str, ...]) -> bool:
+    """Whether a caller on the current stack runs code of one of ``files`` (path endings)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.replace("\\", "/").endswith(files):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _answer() -> int | None:
@@ -211,7 +238,8 @@ def saved_activations(engine: StepEngine) -> dict[str, int]:
 def step(run: ResolvedRun, engine: StepEngine, optimizer: torch.optim.Optimizer, names: dict[str, str],
          mode: FakeRun | None = None):
     """One optimizer step by the Trainer's step function (:func:`~seqpar.train.step.run_step`), its
-    collectives recorded; returns ``(StepComm, state bytes)``. ``mode``: the dry run's
+    collectives recorded; returns ``(StepComm, state bytes)`` (with the routed experts' parameter
+    and gradient bytes, ``expert_parameters`` / ``expert_gradients``). ``mode``: the dry run's
     :class:`FakeRun`, which counts the ``c10d`` operators (else a
     :class:`~seqpar.tools.dryrun_comm.RawCollectives` mode does)."""
     with record_step(engine.module, names, raw=mode is None) as comm:
@@ -223,6 +251,10 @@ def step(run: ResolvedRun, engine: StepEngine, optimizer: torch.optim.Optimizer,
             if mode is not None:
                 mode.comm = None
     state = state_bytes(engine.module, optimizer)
+    experts = list(expert_parameters(engine.module).values())  # routed experts: reduced over edp, not dp
+    state["expert_parameters"] = sum(local_tensor(p).numel() * p.element_size() for p in experts)
+    state["expert_gradients"] = sum(local_tensor(p.grad).numel() * p.grad.element_size() for p in experts
+                                    if p.grad is not None)
     optimizer.zero_grad(set_to_none=True)
     return comm, state
 
@@ -231,18 +263,19 @@ def step_group_names(mesh: ParallelMesh, engine: StepEngine) -> dict[str, str]:
     """The labels of the groups a step of ``engine`` talks over (:func:`~seqpar.tools.dryrun_comm.group_names`
     with the pipeline's tied first + last stage pair)."""
     tied = getattr(getattr(engine, "pipe", None), "tied_group", None)
-    return group_names(mesh, {"first + last stage": tied})
+    return group_names(getattr(engine, "mesh", mesh), {"first + last stage": tied})  # the engine's: with ep, edp
 
 
 def _coords(mesh: ParallelMesh) -> dict[str, tuple[int, int]]:
     return {"pp": (mesh.pp_rank, mesh.pp_size), "dp": (mesh.dp_rank, mesh.dp_size),
-            "cp": (mesh.cp_rank, mesh.cp_size), "tp": (mesh.tp_rank, mesh.tp_size)}
+            "cp": (mesh.cp_rank, mesh.cp_size), "ep": (mesh.ep_rank, mesh.ep_size), "tp": (mesh.tp_rank, mesh.tp_size)}
 
 
 def _run_rank(run: ResolvedRun, rank: int, device: str) -> RankRun:
     pc = run.cfg.parallel
     if world_group() is not None:
         raise UserError("a dry run needs a process without a process group (it makes a fake one of its own)")
+    dryrun_routing.check_routing(run.cfg.model)
     with fake_world(run.world_size, rank):
         mesh = init_parallel(pc.tp, run.dp, pp=pc.pp, cp=pc.cp)
         if mesh.cp_size > 1:
@@ -253,10 +286,12 @@ def _run_rank(run: ResolvedRun, rank: int, device: str) -> RankRun:
             layers_built = len(built)
             del built
             comm, state = step(run, engine, optimizer, step_group_names(mesh, engine), mode)
-        return RankRun(rank=rank, world=run.world_size, coords=_coords(mesh),
+        return RankRun(rank=rank, world=run.world_size, coords=_coords(engine.mesh),
                        stages=[getattr(p, "index", 0) for p in engine.parts], layers_built=layers_built,
                        parameters=sum(p.numel() for p in engine.module.parameters()), micro_batches=run.accum,
-                       state=state, saved=saved_activations(engine), comm=comm.table(), precision=precision.name)
+                       state={k: state[k] for k in ("parameters", "gradients", "optimizer")},
+                       experts={k: state[f"expert_{k}"] for k in ("parameters", "gradients")},
+                       saved=saved_activations(engine), comm=comm.table(), precision=precision.name)
 
 
 def dry_run_rank(run: ResolvedRun, rank: int, device: str = "cuda") -> RankRun:

@@ -17,13 +17,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..memory.comm import WIRE_FACTOR, layer_comm, layer_wire_bytes, paper_layer_comm
+from ..memory.comm import WIRE_FACTOR, layer_wire_bytes
 from ..memory.units import human
 from ..plan.gpus import GIB, GPU
 from ..plan.layout import run_layout
 from ..plan.memory import allowance, stage_memory
 from ..plan.recompute import stage_layer_ids
 from .dryrun import RankRun
+from .dryrun_experts import expert_comm, expert_needs, is_moe, paper_comm, seqpar_layer_comm
 from ..train.resolve import ResolvedRun
 
 MEASURED = ("parameters", "gradients", "optimizer", "activations", "outside_layers")  # planner parts measured here
@@ -44,6 +45,7 @@ class Check:
     capacity: float | None      # bytes of --gpu's memory, None without --gpu
     layer_comm: dict[str, dict[str, tuple[float, float]]] = field(default_factory=dict)
     layer_wire: dict[str, float] = field(default_factory=dict)  # bytes on the wire per layer and micro-batch
+    expert_comm: dict[str, tuple[float, float]] = field(default_factory=dict)  # ep all-to-alls per MoE layer
     layers_expected: int = 0
     tolerance: float | None = None  # the largest |peak / planned_peak - 1| allowed (None: not checked)
     problems: list[str] = field(default_factory=list)
@@ -67,22 +69,22 @@ def _stage_plan(run: ResolvedRun, r: RankRun, gpu: GPU | None, device: str):
 
 
 def _layer_comm(run: ResolvedRun, r: RankRun, layers: list[int]) -> tuple[dict, dict]:
-    """Per layer and micro-batch: the TP collectives the layers issued, seqpar's and the paper's."""
-    mc, pc = run.cfg.model, run.cfg.parallel
-    t, act = pc.tp, 4 if r.precision == "fp32" else 2
-    dims = dict(s=mc.seq_len // pc.cp, b=run.cfg.train.micro_batch, h=mc.hidden, t=t, act=act,
-                sequence_parallel=mc.sequence_parallel)
+    """Per layer and micro-batch: the TP collectives the layers issued, seqpar's and the paper's
+    (an MoE layer's own, :mod:`seqpar.tools.dryrun_experts`)."""
+    mc, t, act = run.cfg.model, run.cfg.parallel.tp, 4 if r.precision == "fp32" else 2
     modes = mc.layer_recompute() or [mc.recompute] * mc.layers
     units = max(1, len(layers) * r.micro_batches)
     seqpar: dict[str, list[float]] = {}
+    paper: dict[str, list[float]] = {}
     for i in layers:
-        for kind, (calls, nbytes) in layer_comm(**dims, recompute=modes[i]).items():
-            row = seqpar.setdefault(kind, [0.0, 0.0])
-            row[0], row[1] = row[0] + calls / len(layers), row[1] + nbytes / len(layers)
+        for table, comm in ((seqpar, seqpar_layer_comm(run, i, act, modes[i])), (paper, paper_comm(run, i, act))):
+            for kind, (calls, nbytes) in comm.items():
+                row = table.setdefault(kind, [0.0, 0.0])
+                row[0], row[1] = row[0] + calls / len(layers), row[1] + nbytes / len(layers)
     measured = {row["kind"]: (row["layer_calls"] / units, row["layer_bytes"] / units)
                 for row in r.comm if row["group"] == "tp" and row["layer_calls"]}
     out = {"measured": measured, "seqpar": {k: tuple(v) for k, v in seqpar.items()},
-           "paper": {k: (float(c), float(n)) for k, (c, n) in paper_layer_comm(**dims).items()}}
+           "paper": {k: tuple(v) for k, v in paper.items()}}
     wire = {k: layer_wire_bytes({kind: x for kind, x in v.items() if kind in WIRE_FACTOR}, t) for k, v in out.items()}
     return out, wire
 
@@ -94,15 +96,23 @@ def required_collectives(run: ResolvedRun, r: RankRun) -> dict[tuple[str, str], 
     reduce-scattered and the parameters gathered: the shards times the ranks sharing them), K/V over cp."""
     mc, pc = run.cfg.model, run.cfg.parallel
     act = 4 if r.precision == "fp32" else 2
-    s, b, units = mc.seq_len // pc.cp, run.cfg.train.micro_batch, mc.layers // pc.pp * r.micro_batches
+    s, b = mc.seq_len // pc.cp, run.cfg.train.micro_batch
+    layers = stage_layer_ids(mc.layers, pc.pp, pc.virtual_stages, r.coords["pp"][0])
     need: dict[tuple[str, str], tuple[str, float]] = {}
-    paper = paper_layer_comm(s=s, b=b, h=mc.hidden, t=pc.tp, act=act, sequence_parallel=mc.sequence_parallel)
+    paper: dict[str, float] = {}
+    for i in layers:  # §4.2.2's volume of this rank's layers (an MoE layer's own)
+        for kind, (_, nbytes) in paper_comm(run, i, act).items():
+            paper[kind] = paper.get(kind, 0) + nbytes * r.micro_batches
     what = "sequence parallelism's g / g-bar" if mc.sequence_parallel else "tensor parallelism's f / f-bar"
     if mc.sequence_parallel and pc.tp_overlap:  # each g / g-bar a ring of t-1 steps of one shard: (t-1)/t of it
-        ring = sum(nbytes for _, nbytes in paper.values()) * (pc.tp - 1) / pc.tp
-        need[("tp", "send_recv")] = (f"{what} in every layer, as rings (parallel.tp_overlap)", units * ring)
+        need[("tp", "send_recv")] = (f"{what} in every layer, as rings (parallel.tp_overlap)",
+                                     sum(paper.values()) * (pc.tp - 1) / pc.tp)
     else:
-        need.update({("tp", kind): (f"{what} in every layer", units * nbytes) for kind, (_, nbytes) in paper.items()})
+        need.update({("tp", kind): (f"{what} in every layer", nbytes) for kind, nbytes in paper.items()})
+    moe = expert_comm(run, layers, act, r.micro_batches, r.comm)
+    if moe:
+        units = sum(1 for i in layers if is_moe(run, i)) * r.micro_batches
+        need[("ep", "all_to_all")] = ("the MoE layers' token exchange over ep", moe["formula"][1] * units)
     if pc.pp > 1:
         one = s * b * mc.hidden * act / (pc.tp if mc.sequence_parallel else 1)
         need.update({("pp", k): ("activations and their gradients between pipeline stages", r.micro_batches * one)
@@ -112,13 +122,16 @@ def required_collectives(run: ResolvedRun, r: RankRun) -> dict[tuple[str, str], 
         need[("cp", kind)] = (f"attention's K/V exchange over cp ({pc.cp_comm})", 1)
     shards = run.dp * pc.cp
     group = "dp x cp" if pc.cp > 1 and run.dp > 1 else ("cp" if pc.cp > 1 else "dp")  # mesh.dp_cp_group
+    experts = pc.ep > 1  # the routed experts' gradients go over edp instead (dryrun_experts.expert_needs)
+    params = r.state["parameters"] - (r.experts["parameters"] if experts else 0)
+    grads = r.state["gradients"] - (r.experts["gradients"] if experts else 0)
     if run.dp_mode == "fsdp" and shards > 1:
         compute = 2 if r.precision == "bf16" else 4
-        need[(group, "all_gather")] = ("FSDP2's parameter gathers", r.state["parameters"] * shards * compute / 4)
-        need[(group, "reduce_scatter")] = ("FSDP2's gradient reduce-scatters", r.state["gradients"] * shards)
+        need[(group, "all_gather")] = ("FSDP2's parameter gathers", params * shards * compute / 4)
+        need[(group, "reduce_scatter")] = ("FSDP2's gradient reduce-scatters", grads * shards)
     elif run.dp > 1:
-        need[(group, "all_reduce")] = ("the data-parallel gradient reduction", r.state["gradients"])
-    return need
+        need[(group, "all_reduce")] = ("the data-parallel gradient reduction", grads)
+    return {**need, **expert_needs(run, r.experts, r.precision)}
 
 
 def _problems(run: ResolvedRun, r: RankRun, check: Check) -> list[str]:
@@ -166,6 +179,7 @@ def check_rank(run: ResolvedRun, r: RankRun, gpu: GPU | None = None, device: str
                   planned_peak=float(memory.total), capacity=gpu.hbm_bytes if gpu is not None else None,
                   layers_expected=len(layers), tolerance=tolerance)
     check.layer_comm, check.layer_wire = _layer_comm(run, r, layers)
+    check.expert_comm = expert_comm(run, layers, 4 if r.precision == "fp32" else 2, r.micro_batches, r.comm)
     check.problems = _problems(run, r, check)
     return check
 

@@ -32,11 +32,13 @@ from ..model.gpt import Block
 
 
 def group_names(mesh: ParallelMesh, extra: dict[str, ProcessGroup | None] | None = None) -> dict[str, str]:
-    """``group_name -> label`` for the mesh's groups (tp, cp, dp, pp, dp x cp: ``cp`` at dp = 1),
-    ``extra`` ones and the world (a group the mesh names keeps the mesh's name)."""
+    """``group_name -> label`` for the mesh's groups (tp, cp, dp, pp, dp x cp: ``cp`` at dp = 1; ep
+    and edp under expert parallelism), ``extra`` ones and the world (a group the mesh names keeps the mesh's name)."""
     groups = dict(extra or {})  # the mesh's own names win for the same group (p = 2: the tied pair is pp)
     if mesh.cp_size > 1 and mesh.dp_size > 1:
         groups["dp x cp"] = mesh.dp_cp_mesh.get_group()
+    if mesh.ep_size > 1:  # expert parallelism: the all-to-alls' group, the experts' gradient sums' (edp)
+        groups.update({"ep": mesh.ep_group, "edp": mesh.edp_group})
     groups.update({"tp": mesh.tp_group, "cp": mesh.cp_group, "dp": mesh.dp_group, "pp": mesh.pp_group})
     out = {g.group_name: name for name, g in groups.items() if g is not None}
     if mesh.cp_size > 1 and mesh.dp_size == 1:  # FSDP2's and DDP's dp x cp group: the cp ranks, another name

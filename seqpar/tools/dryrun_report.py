@@ -68,10 +68,29 @@ def _layer_table(check: Check) -> list[str]:
     return lines
 
 
+def _expert_table(run: ResolvedRun, check: Check) -> list[str]:
+    """An MoE model's lines: all-to-alls over ep per MoE layer and micro-batch, measured and by
+    formula (under ep), and how the dry run routed (:mod:`seqpar.tools.dryrun_routing`)."""
+    ec, moe = check.expert_comm, run.cfg.model.moe
+    if moe is None:
+        return []
+    lines = []
+    if ec:
+        rows = (("measured in the MoE layers", "measured"), ("formula (seqpar/memory/moe.py, even load)", "formula"))
+        lines = ["", "| ep per MoE layer and micro-batch | all_to_all calls | bytes | ratio |", "|---|---:|---:|---:|"]
+        lines += [f"| {label} | {ec[key][0]:g} | {human(ec[key][1])} | {_ratio(ec[key][1], ec['formula'][1])} |"
+                  for label, key in rows]
+    peers = ", and every ep peer routes alike" if run.cfg.parallel.ep > 1 else ""
+    return [*lines, "", f"routing: balanced stand-in (fake tensors have no router values): each of the "
+            f"{moe.experts} experts gets n k / E = 1/{moe.experts} of a rank's n x {moe.top_k} assignments{peers}; "
+            f"a real router's uneven load is not seen"]
+
+
 def rank_text(name: str, run: ResolvedRun, r: RankRun, check: Check, gpu: GPU | None) -> str:
     """The printed report of one rank."""
     lines = [_header(name, run, r, check), "", *_memory_table(check, gpu), "", *_comm_table(r), "",
-             *_layer_table(check), "", f"wall {r.seconds:.1f} s, peak RSS {human(r.peak_rss)}"]
+             *_layer_table(check), *_expert_table(run, check), "",
+             f"wall {r.seconds:.1f} s, peak RSS {human(r.peak_rss)}"]
     lines += [f"problem: {p}" for p in check.problems]
     return "\n".join(lines)
 
@@ -85,7 +104,8 @@ def rank_json(r: RankRun, check: Check) -> dict:
             "peak": check.peak, "planner_peak": check.planned_peak, "capacity": check.capacity,
             "collectives": r.comm, "layer_comm": {k: {kind: list(x) for kind, x in v.items()}
                                                   for k, v in check.layer_comm.items()},
-            "layer_wire_bytes": check.layer_wire, "seconds": r.seconds, "peak_rss": r.peak_rss,
+            "layer_wire_bytes": check.layer_wire, "expert_comm": {k: list(v) for k, v in check.expert_comm.items()},
+            "seconds": r.seconds, "peak_rss": r.peak_rss,
             "problems": check.problems}
 
 
