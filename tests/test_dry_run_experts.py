@@ -123,3 +123,14 @@ def test_pipeline_stages_with_ep_exchange_the_formulas_bytes():
 def test_a_capacity_factor_is_refused_naming_the_value():
     with pytest.raises(UserError, match=r"capacity_factor=1.25: a dry run cannot tell which assignments it drops"):
         _one([*EP, "model.moe.capacity_factor=1.25"])
+
+
+def test_fsdp_pads_fewer_experts_than_edp_ranks_and_the_planner_prices_it():
+    """ep=4 of dp=8 leaves one expert per rank for edp=2 ranks to shard: FSDP2 splits dim 0 (experts)
+    and pads it, so every rank holds a whole expert's worth. Before, the planner divided the
+    experts by edp and priced half of what the rank holds."""
+    run, r, check = _one(["parallel.tp=1", "parallel.ep=4", "parallel.data_parallel=fsdp", "train.micro_batch=2",
+                          "train.precision=bf16"])
+    ratios = {part: m / p for part, m, p in check.rows if m is not None and p}
+    assert all(ratios[part] == pytest.approx(1, abs=0.03) for part in ("parameters", "gradients", "optimizer")), \
+        ratios

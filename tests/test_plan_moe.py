@@ -117,7 +117,9 @@ def test_bad_ep_is_refused_naming_the_values(capsys, argv, message):
 
 
 def test_one_ep_layout_prints_ep_in_its_label_and_the_overrides_name_it(capsys):
-    assert cli.main(["plan", *MIXTRAL, "--layout", "tp=4,ep=8,data_parallel=fsdp"]) == 0
+    # 102 GiB per GPU (FSDP2 leaves one whole expert per rank of edp=2): an H200's layout, not an H100's
+    assert cli.main(["plan", "mixtral-8x7b", "--gpus", "64", "--gpu", "h200", "--layout",
+                     "tp=4,ep=8,data_parallel=fsdp"]) == 0
     assert "layout: t=4 p=1 m=1 dp=16(fsdp) ep=8 b=1" in capsys.readouterr().out
     for ep in (8, 1):  # ep=1 too: it replaces the config's own parallel.ep
         items, _ = overrides(Layout(4, 1, 16, ep=ep, data_parallel="fsdp"), tiny(), 64, "bf16")
@@ -156,3 +158,13 @@ def test_recompute_auto_plans_the_runs_ep():
             auto_recompute_layers(s["model"], s["parallel"], s["train"], 30)
         need[ep] = float(re.search(r"smallest that fits is ([\d.]+) GiB", str(err.value)).group(1))
     assert need[1] > need[8] + 50  # ddp: every expert of every layer on each rank, or one of eight
+
+
+def test_an_overflow_no_single_term_can_absorb_says_so(capsys):
+    """Mixtral at t=1 over FSDP2 with ep=8 (a whole expert per layer on every rank) is 47 GiB over an
+    H100, more than its largest term: before, the line asked the optimizer to shrink to -2.63 GiB."""
+    cli.main(["plan", *MIXTRAL, "--layout", "tp=1,dp=64,ep=8,micro_batch=8,sequence_parallel=false,recompute=full,"
+              "data_parallel=fsdp"])
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("does not fit"))
+    assert "more than even the largest term, optimizer (42.19 GiB), holds" in line and "to -" not in line, line

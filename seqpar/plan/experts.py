@@ -34,6 +34,15 @@ from .layout import Layout
 Gemm = tuple[float, float, float]
 
 
+def expert_shards(model: GPTConfig, layout: Layout) -> float:
+    """What FSDP2 over edp divides one rank's routed experts by. It shards each expert weight
+    ``[E/ep, ...]`` along its experts and pads them to a multiple of edp, so the busiest rank holds
+    ``ceil((E/ep) / edp)`` whole experts: ``edp`` when it divides ``E/ep``, less otherwise (Mixtral's
+    8 experts at ep=8 over edp=8: every rank holds one whole expert, a divisor of 1)."""
+    local = model.moe.experts // layout.ep
+    return local / -(-local // layout.edp)
+
+
 def _tokens(model: GPTConfig, layout: Layout) -> tuple[int, int, int]:
     """(tokens this rank routes, tokens its experts see per slot, each expert's width on this rank)."""
     s, b, t = model.seq_len // layout.cp, layout.micro_batch, layout.tp

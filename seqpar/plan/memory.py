@@ -39,6 +39,7 @@ from ..model.config import GPTConfig
 from ..model.modes import RECOMPUTE_MODES, RecomputeMode, resolve_attention
 from . import dims
 from .gpus import GIB
+from .experts import expert_shards
 from .layout import Layout, micro_batches
 
 # CUDA context with the cuBLAS/cuDNN kernels loaded (~1 GiB), NCCL communicators (a TP ring over
@@ -67,7 +68,8 @@ def state_parts(model: GPTConfig, layout: Layout, stage: int, precision: str) ->
                              root=root_params(model, t, first=stage == 0, last=stage == p - 1, pp=p))
     if experts:
         per_e = state_bytes_per_parameter(precision, layout.data_parallel, dp=layout.edp)
-        e = training_state_bytes(per_e, params=experts, unit_params=expert_unit, root=0, dp=layout.edp)
+        e = training_state_bytes(per_e, params=experts, unit_params=expert_unit, root=0,
+                                 dp=expert_shards(model, layout))  # FSDP2's padding of E/ep over edp
         b = {k: v + e[k] for k, v in b.items()}
     return {"parameters": b["parameters"], "gradients": b["gradients"], "optimizer": b["optimizer"],
             "state_during_step": b["step_transient"]}
@@ -140,9 +142,12 @@ class Memory:
         name, size = max(((k, v) for k, v in self.parts.items() if k != "workspace"), key=lambda kv: kv[1])
         cut = over / (1 + FRAGMENTATION)  # the allowance shrinks with it
         kept = f" less the {self.headroom / GIB:.2f} GiB headroom" if self.headroom else ""
-        return (f"needs {self.total / GIB:.2f} GiB of {self.capacity / GIB:.2f} GiB{kept} on stage {self.stage}, "
-                f"over by {over / GIB:.2f} GiB; the largest term, {name} ({size / GIB:.2f} GiB), would have to shrink by "
-                f"{cut / GIB:.2f} GiB to {(size - cut) / GIB:.2f} GiB")
+        head = (f"needs {self.total / GIB:.2f} GiB of {self.capacity / GIB:.2f} GiB{kept} on stage {self.stage}, "
+                f"over by {over / GIB:.2f} GiB; ")
+        if cut >= size:  # no single term can make room: say so instead of a negative size
+            return head + f"more than even the largest term, {name} ({size / GIB:.2f} GiB), holds"
+        return head + (f"the largest term, {name} ({size / GIB:.2f} GiB), would have to shrink by {cut / GIB:.2f} GiB "
+                       f"to {(size - cut) / GIB:.2f} GiB")
 
 
 def context_transient(model: GPTConfig, layout: Layout, device: str = "cuda") -> float:

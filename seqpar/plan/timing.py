@@ -54,7 +54,7 @@ from ..memory.params import expert_params, fc1_width, layer_params, qkv_width, s
 from . import dims
 from .gpus import GPU
 from .kernels import all_reduce_seconds, gather_seconds, gemm_fwd_bwd, link_bandwidth, memory_seconds
-from .experts import expert_comm, moe_elementwise, moe_gemms
+from .experts import expert_comm, expert_shards, moe_elementwise, moe_gemms
 from .layout import Layout, Mode, micro_batches
 from .memory import ACTIVATION_BYTES
 
@@ -278,7 +278,8 @@ def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpu
     mb = layers_mb + logits_mb + p2p_mb  # the last stage, the slowest: it sets the pace
     fsdp = layout.data_parallel == "fsdp"
     dense, experts = _stage_params(model, layout)
-    params = dense / (layout.dp * layout.cp if fsdp else 1) + (experts / layout.edp if fsdp else experts)
+    params = dense / (layout.dp * layout.cp if fsdp else 1)
+    params += experts / expert_shards(model, layout) if fsdp and experts else experts
     a2a_mb = sum(counts.values()) * lt.ep_comm + counts["full"] * lt.ep_forward  # the layers' all-to-alls
     parts = {"layers": n * (layers_mb - a2a_mb)} | ({"all_to_all": n * a2a_mb} if a2a_mb else {})
     parts |= {"logits": n * logits_mb, "p2p": n * p2p_mb,
