@@ -258,6 +258,10 @@ def compile_unsupported(config, cp: int = 1) -> str | None:
     if missing:
         return (f"train.compile needs a PyTorch whose torch._dynamo.config has {missing} (this is "
                 f"{torch.__version__}); upgrade PyTorch or set train.compile=false")
+    rebuilt = [op for op in getattr(config, "recompute_ops", ()) if op in ("norm", "activation")]
+    if rebuilt:
+        return (f"train.compile does not support model.recompute_ops {rebuilt} yet: they rebuild saved tensors "
+                f"through saved-tensor hooks, which a compiled block cannot trace (dropout is supported)")
     if cp > 1:
         return (f"train.compile supports parallel.cp = 1 only (got cp={cp}): context-parallel attention "
                 f"exchanges K/V with point-to-point calls the compiler does not trace yet")
