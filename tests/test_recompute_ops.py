@@ -1,0 +1,154 @@
+"""model.recompute_ops (seqpar.recompute_ops): norm outputs, activation output and dropout masks rebuilt
+in backward. Bit-identical gradients and the same dropout masks as without the choice (t=1, t=2 with and
+without SP), the bytes each choice stops keeping equal to its formula (ledger, eager and compiled),
+and the config surface that states them."""
+import dataclasses
+
+import pytest
+import torch
+
+from distributed_harness import tp_group_of
+from gpt_helpers import batch, loss_and_dense_grads, mesh_for, tiny_config
+from seqpar.config import ConfigError, dump, load_run_config
+from seqpar.distributed.rng import RNGStreams
+from seqpar.memory import ActivationLedger, bytes_per_layer
+from seqpar.memory.formulas import recompute_op_coefficients
+from seqpar.memory.whole_model import layer_bytes
+from seqpar.model import GPT
+
+CHOICES = (("norm",), ("activation",), ("dropout",), ("norm", "activation", "dropout"))
+LLAMA = dict(norm="rmsnorm", mlp="swiglu", position="rope", bias=False, kv_heads=2)
+
+
+def _same_step(base, ops, mesh=None):
+    """Loss and dense grads without and with ``ops`` equal bit for bit."""
+    tokens, labels = batch(base)
+    l0, g0 = loss_and_dense_grads(GPT(base, mesh, seed=1), tokens, labels)
+    l1, g1 = loss_and_dense_grads(GPT(dataclasses.replace(base, recompute_ops=ops), mesh, seed=1), tokens, labels)
+    return bool(l0.equal(l1)) and all(g0[k].equal(g1[k]) for k in g0)
+
+
+@pytest.mark.parametrize("family", [{}, LLAMA], ids=["gpt", "llama"])
+def test_each_choice_gives_bit_identical_gradients_at_t1(family):
+    for rc, attention, dtype in (("none", "sdpa", "bfloat16"), ("selective", "math", "float32")):
+        base = tiny_config(dropout=0.1, attention_dropout=0.1, recompute=rc, attention=attention, dtype=dtype,
+                           **family)
+        for ops in CHOICES:
+            assert _same_step(base, ops), (family, rc, attention, ops)
+
+
+def test_redrawn_dropout_draws_the_stored_mask_and_advances_the_stream_alike():
+    x = torch.randn(16, 2, 32, requires_grad=True)
+    kept, redrawn = RNGStreams(5), RNGStreams(5)
+    y0, y1 = kept.dropout(x, 0.3), redrawn.dropout(x, 0.3, redraw=True)
+    assert y0.equal(y1) and kept.states["tp"].equal(redrawn.states["tp"])
+    g = torch.randn_like(y0)
+    (d0,) = torch.autograd.grad(y0, x, g)
+    (d1,) = torch.autograd.grad(y1, x, g)
+    assert d1.equal(d0) and (d1 == 0).any()  # the same mask, redrawn from the state before the draw
+
+
+def _tp_grads_equal(rank, world):
+    group, out = tp_group_of(2), {}
+    for sp in (True, False):
+        base = tiny_config(dropout=0.1, attention_dropout=0.1, recompute="selective", sequence_parallel=sp)
+        for ops in CHOICES:
+            out[(sp, ops)] = _same_step(base, ops, mesh_for(group))
+    return out
+
+
+def test_each_choice_gives_bit_identical_gradients_at_t2_with_and_without_sp(spawn):
+    for res in spawn(_tp_grads_equal, 2):
+        assert all(res.values()), {k: v for k, v in res.items() if not v}
+
+
+# ----------------------------------------------------------------------------- bytes = formula
+SHAPE = dict(s=32, b=2, h=64, a=4)
+
+
+def _layer_bytes(t, group, ops, rc="selective", attention="math", p_attn=0.1, **kw):
+    cfg = tiny_config(vocab_size=128, seq_len=SHAPE["s"], hidden=SHAPE["h"], heads=SHAPE["a"], layers=2,
+                      dtype="bfloat16", dropout=0.1, attention_dropout=p_attn, recompute=rc, attention=attention,
+                      recompute_ops=ops, **kw)
+    model = GPT(cfg, mesh_for(group), seed=0)
+    tokens = torch.randint(0, 128, (SHAPE["b"], SHAPE["s"]))
+    with ActivationLedger(model) as ledger:
+        model(tokens, tokens)
+    return cfg, ledger.per_layer()
+
+
+def _ledger_vs_formula(rank, world):
+    out = []
+    for t in (1, 2):
+        group = tp_group_of(t)
+        for ops in ((), *CHOICES):
+            _, per = _layer_bytes(t, group, ops)  # math kernel, selective: Table 2's row
+            out.append((t, ops, "math", per, bytes_per_layer("tp_sp_selective", t=t, recompute_ops=ops, **SHAPE)))
+            cfg, per = _layer_bytes(t, group, ops, rc="none", attention="sdpa", p_attn=0.0)  # CPU's fused kernel
+            formula = layer_bytes(cfg, "none", s=SHAPE["s"], b=SHAPE["b"], t=t, act=2, device="cpu")
+            out.append((t, ops, "sdpa", per, formula))
+    return out
+
+
+def test_ledger_measures_each_choice_as_its_formula_eager(spawn):
+    for rank, rows in enumerate(spawn(_ledger_vs_formula, 2)):
+        for t, ops, kernel, per_layer, formula in rows:
+            assert len(per_layer) == 2
+            for layer, measured in per_layer.items():
+                assert abs(measured - formula) <= 0.01 * formula, (rank, t, ops, kernel, layer, measured, formula)
+
+
+def test_choice_coefficients_are_the_stated_table_rows():
+    gpt = recompute_op_coefficients(h=64, a=4)
+    assert gpt == {"norm": 4, "activation": 8, "dropout": 2}
+    llama = recompute_op_coefficients(h=64, a=4, kv_heads=2, ffn_hidden=176, mlp="swiglu")
+    assert llama["activation"] == 2 * 176 / 64 and llama["norm"] == 4
+    sbh_t = 32 * 2 * 64 / 2
+    kept = {ops: bytes_per_layer("tp_sp_selective", t=2, recompute_ops=ops, **SHAPE) / sbh_t for ops in CHOICES}
+    assert kept == {("norm",): 30, ("activation",): 26, ("dropout",): 32, ("norm", "activation", "dropout"): 20}
+    with pytest.raises(ValueError, match="full"):
+        bytes_per_layer("full", recompute_ops=("norm",), **SHAPE)
+
+
+def test_compiled_dropout_choice_keeps_the_eager_bytes_and_gradients():
+    from test_compile import GPT2, _compare, _config
+    cfg = _config(GPT2, "selective", 0.1, dtype="bfloat16", recompute_ops=("dropout",))
+    r = _compare(cfg, "selective")
+    assert r["breaks"] == 0 and r["dloss"] == 0.0 and r["dgrad"] == 0.0
+    compiled, eager = r["bytes"]  # two layers
+    formula = 2 * bytes_per_layer("tp_sp_selective", s=32, b=2, h=32, a=4, recompute_ops=("dropout",))
+    assert compiled == eager and abs(eager - formula) <= 0.01 * formula, (compiled, eager, formula)
+
+
+# ----------------------------------------------------------------------------- config
+def test_yaml_and_overrides_set_the_choices_and_round_trip(tmp_path):
+    cfg = load_run_config("tiny-cpu", ["model.dropout=0.1", "model.recompute_ops=[norm,dropout]"])
+    assert cfg.model.recompute_ops == ("norm", "dropout")
+    path = tmp_path / "run.yaml"
+    path.write_text(dump(cfg))
+    assert load_run_config(path).model.recompute_ops == ("norm", "dropout")
+    assert load_run_config("tiny-cpu").model.recompute_ops == ()  # empty by default: today's layers
+    layers = load_run_config("tiny-cpu", ["model.layers=2", "model.recompute_layers=[full,none]",
+                                          "model.recompute_ops=[activation]"])
+    assert layers.model.recompute_ops == ("activation",)
+
+
+@pytest.mark.parametrize("overrides, named", [
+    (["model.recompute_ops=[norm,gelu]"], "gelu"),
+    (["model.recompute_ops=[norm,norm]"], "norm"),
+    (["model.recompute_ops=[norm]", "model.recompute=full"], "full"),
+    (["model.layers=2", "model.recompute_layers=[full,full]", "model.recompute_ops=[norm]"], "full"),
+    (["model.recompute_ops=[dropout]", "model.dropout=0"], "dropout=0"),
+    (["model.recompute_ops=[norm]", "model.recompute=auto", "train.memory_budget_gib=1"], "auto"),
+    (["model.recompute_ops=[activation]", "train.compile=true"], "activation"),
+])
+def test_unknown_or_meaningless_choices_are_refused_by_name(overrides, named):
+    with pytest.raises(ConfigError, match=named):
+        load_run_config("tiny-cpu", overrides)
+
+
+def test_compiled_dropout_choice_is_accepted_and_checkpoints_may_change_it():
+    load_run_config("tiny-cpu", ["model.dropout=0.1", "model.recompute_ops=[dropout]", "train.compile=true"])
+    from seqpar.checkpoint.compat import model_changes
+    a = tiny_config()
+    assert model_changes(a, dataclasses.replace(a, recompute_ops=("norm",))) == []  # a runtime key
