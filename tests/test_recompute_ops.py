@@ -51,8 +51,8 @@ def test_redrawn_dropout_draws_the_stored_mask_and_advances_the_stream_alike():
 def _tp_grads_equal(rank, world):
     group, out = tp_group_of(2), {}
     for sp in (True, False):
-        base = tiny_config(dropout=0.1, attention_dropout=0.1, recompute="selective", sequence_parallel=sp)
-        for ops in CHOICES:
+        base = tiny_config(dropout=0.1, attention_dropout=0.1, recompute="selective", sequence_parallel=sp, layers=2)
+        for ops in CHOICES if sp else CHOICES[-1:]:  # plain TP: all three together
             out[(sp, ops)] = _same_step(base, ops, mesh_for(group))
     return out
 
@@ -139,7 +139,6 @@ def test_yaml_and_overrides_set_the_choices_and_round_trip(tmp_path):
     (["model.recompute_ops=[norm]", "model.recompute=full"], "full"),
     (["model.layers=2", "model.recompute_layers=[full,full]", "model.recompute_ops=[norm]"], "full"),
     (["model.recompute_ops=[dropout]", "model.dropout=0"], "dropout=0"),
-    (["model.recompute_ops=[norm]", "model.recompute=auto", "train.memory_budget_gib=1"], "auto"),
     (["model.recompute_ops=[activation]", "train.compile=true"], "activation"),
 ])
 def test_unknown_or_meaningless_choices_are_refused_by_name(overrides, named):
@@ -152,3 +151,62 @@ def test_compiled_dropout_choice_is_accepted_and_checkpoints_may_change_it():
     from seqpar.checkpoint.compat import model_changes
     a = tiny_config()
     assert model_changes(a, dataclasses.replace(a, recompute_ops=("norm",))) == []  # a runtime key
+
+
+# ----------------------------------------------------------------------------- auto and the planner
+def _none_total(run, layout, ops=()):
+    from seqpar.plan.layout import Recompute
+    from seqpar.plan.memory import memory_per_gpu
+    return memory_per_gpu(run.model, dataclasses.replace(layout, recompute=Recompute("none", ops=ops)), 1.0, 2,
+                          "fp32").total
+
+
+@pytest.mark.parametrize("fits, expected", [((), ("dropout",)), (("dropout",), ("norm",)),
+                                            (("norm", "dropout"), ("activation",))])
+def test_auto_takes_the_cheapest_allowed_choice_that_fits_and_the_ledger_agrees(fits, expected):
+    """A budget one byte under what a run with the ``fits`` choices keeps: auto takes the subset with
+    the fewest recomputed FLOPs that fits (dropout 4sbh FLOPs for 2sbh bytes, norm 16sbh for 8sbh in
+    fp32, activation 32sbh for 32sbh), keeps every layer at none, and the model built from it
+    measures the planned bytes."""
+    from test_recompute_auto import _check_within, _measured_vs_planned, _tiny_run
+    from seqpar.plan.gpus import GIB
+    from seqpar.plan.layout import Layout
+    from seqpar.plan.recompute import resolve_recompute
+    run = _tiny_run()
+    layout = Layout(tp=1, pp=1, dp=1, micro_batch=2, sequence_parallel=False)
+    budget = (_none_total(run, layout, fits) - 1) / GIB
+    model = dataclasses.replace(run.model, recompute="auto", recompute_ops=("norm", "activation", "dropout"))
+    auto = dataclasses.replace(run, model=model, train=dataclasses.replace(run.train, memory_budget_gib=budget))
+    auto.validate()
+    resolved = resolve_recompute(auto).model
+    assert resolved.recompute_ops == expected and set(resolved.recompute_layers) == {"none"}, resolved
+    assert _none_total(run, layout, expected) <= budget * GIB
+    _check_within(*_measured_vs_planned(resolved, None, 1), f"auto {expected}")
+    plain = dataclasses.replace(auto, model=dataclasses.replace(model, recompute_ops=()))
+    assert set(resolve_recompute(plain).model.recompute_layers) != {"none"}  # without choices: attention cores
+
+
+def test_the_planner_mixes_with_choices_and_is_predicted_faster_on_22b():
+    """22B at t=8, b=4, SP on an 80 GiB A100: the mix with op-level choices fits with fewer selective
+    layers than the plain mix and is predicted faster; the search offers such mixes when allowed to."""
+    from seqpar.plan.gpus import GPUS
+    from seqpar.plan.memory import memory_per_gpu
+    from seqpar.plan.paper import paper_run
+    from seqpar.plan.recompute import best_choice, best_mix
+    from seqpar.plan.search import Problem, SearchSpace, search
+    from seqpar.plan.timing import step_time
+    a100, run = GPUS["a100-80gb"], paper_run("22b")
+    plain = best_mix(run.model, run.layout, a100.hbm_bytes, run.global_batch)
+    chosen = best_choice(run.model, run.layout, a100.hbm_bytes, run.global_batch)
+    assert chosen.ops and chosen.per_stage(48)["selective"] < plain.per_stage(48)["selective"]
+    layouts = {k: dataclasses.replace(run.layout, recompute=rc) for k, rc in (("plain", plain), ("ops", chosen))}
+    assert memory_per_gpu(run.model, layouts["ops"], a100.hbm_bytes, run.global_batch).fits
+    secs = {k: step_time(run.model, lay, a100, run.global_batch).seconds for k, lay in layouts.items()}
+    assert secs["ops"] < secs["plain"]
+    problem = Problem(run.model, gpus=8, gpu=a100, global_batch=run.global_batch, headroom=0.0)
+    space = dict(tp=(8,), sequence_parallel=(True,), recompute=("none", "selective", "full", "mixed"),
+                 data_parallel=("ddp",), cp=(1,))
+    found = search(problem, SearchSpace(**space, recompute_ops=("norm", "activation", "dropout")), k=50).ranked
+    with_ops = [c for c in found if c.layout.recompute.ops]
+    assert with_ops and all("+" in c.layout.label() and c.memory.fits for c in with_ops)
+    assert not any(c.layout.recompute.ops for c in search(problem, SearchSpace(**space), k=50).ranked)  # not asked

@@ -210,7 +210,8 @@ class GPTConfig(Freezable):
     # checkpointed unit; recompute_method / recompute_num_layers are then unused)
     recompute_layers: tuple[RecomputeMode, ...] | None = None
     # op-level choices in every none / selective layer (seqpar.recompute_ops): norm (the norm outputs),
-    # activation (the GeLU / SwiGLU output), dropout (the two dropout masks), rebuilt in backward
+    # activation (the GeLU / SwiGLU output), dropout (the two dropout masks), rebuilt in backward;
+    # under recompute: auto the choices auto may take (it keeps the subset it takes)
     recompute_ops: tuple[RecomputeOp, ...] = ()
     attention: AttentionMode = "math"  # sdpa: PyTorch's fused kernels
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # parameter/activation dtype
@@ -300,9 +301,6 @@ class GPTConfig(Freezable):
             raise UserError(f"model.recompute_ops={list(ops)} means nothing with full recompute (a full layer keeps "
                             f"only its input); use model.recompute none or selective, or per-layer modes with "
                             f"some none / selective layers")
-        if self.recompute == "auto" and modes is None:
-            raise UserError(f"model.recompute_ops={list(ops)} with model.recompute=auto: auto chooses the op-level "
-                            f"recompute itself; leave model.recompute_ops empty")
         if "dropout" in ops and self.dropout == 0:
             raise UserError("model.recompute_ops has 'dropout' but model.dropout=0 keeps no dropout masks")
         if self.moe is not None:
