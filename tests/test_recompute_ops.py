@@ -210,3 +210,18 @@ def test_the_planner_mixes_with_choices_and_is_predicted_faster_on_22b():
     with_ops = [c for c in found if c.layout.recompute.ops]
     assert with_ops and all("+" in c.layout.label() and c.memory.fits for c in with_ops)
     assert not any(c.layout.recompute.ops for c in search(problem, SearchSpace(**space), k=50).ranked)  # not asked
+
+
+def test_the_planner_writes_the_choices_into_the_train_overrides_and_auto_takes_them_again():
+    from seqpar.plan.gpus import GIB, GPUS
+    from seqpar.plan.paper import paper_run
+    from seqpar.plan.recompute import best_choice, resolve_recompute
+    from seqpar.plan.report import overrides
+    a100, run = GPUS["a100-80gb"], paper_run("22b")
+    chosen = best_choice(run.model, run.layout, a100.hbm_bytes, run.global_batch)
+    layout = dataclasses.replace(run.layout, recompute=chosen)
+    items, _ = overrides(layout, run.model, run.global_batch, "bf16", a100.hbm_bytes / GIB)
+    assert "model.recompute_ops=[" + ",".join(chosen.ops) + "]" in items and "model.recompute=auto" in items
+    resolved = resolve_recompute(load_run_config("paper/22b", items)).model
+    assert resolved.recompute_ops == chosen.ops
+    assert resolved.recompute_layers.count("selective") == chosen.per_stage(run.model.layers)["selective"]
