@@ -18,7 +18,8 @@ tensor ``consumer`` saves of ``producer(x)``'s storage is packed as a recipe ins
 view's size, stride and offset) and rebuilt by ``producer(x)`` when backward unpacks it. Other
 saved tensors pass through to the enclosing ``saved_tensors_hooks`` (the memory ledger's), so the
 ledger sees exactly what is still kept. The rebuilt values are bit-identical: the same
-deterministic op on the same input, weights and autocast state.
+deterministic op on the same input, weights and autocast state. A compiled block traces no hooks:
+its checkpoint policy recomputes LayerNorm and GeLU instead (:func:`seqpar.recompute.rebuilt_ops`).
 """
 from __future__ import annotations
 
