@@ -52,16 +52,24 @@ def check_recompute_ops(ops: Sequence[str], key: str = "model.recompute_ops") ->
     return tuple(ops)
 
 
+def _storage_id(t: Tensor) -> int:
+    """What identifies ``t``'s storage while it lives (views share it; fake tensors too)."""
+    return t.untyped_storage()._cdata
+
+
 class _Recipe:
-    """What a saved view of the rebuilt tensor is kept as: how to rebuild it, and the view."""
+    """What a saved view of the rebuilt tensor is kept as: how to rebuild it, and the view (its
+    size, stride and offset from the rebuilt tensor's first element)."""
 
     __slots__ = ("rebuild", "size", "stride", "offset")
 
-    def __init__(self, rebuild: Callable[[], Tensor], t: Tensor):
-        self.rebuild, self.size, self.stride, self.offset = rebuild, t.size(), t.stride(), t.storage_offset()
+    def __init__(self, rebuild: Callable[[], Tensor], t: Tensor, base_offset: int):
+        self.rebuild, self.size, self.stride = rebuild, t.size(), t.stride()
+        self.offset = t.storage_offset() - base_offset
 
     def tensor(self) -> Tensor:
-        return self.rebuild().as_strided(self.size, self.stride, self.offset)
+        out = self.rebuild()
+        return out.as_strided(self.size, self.stride, out.storage_offset() + self.offset)
 
 
 class _RebuildSaved(torch.autograd.graph.saved_tensors_hooks):
@@ -69,13 +77,13 @@ class _RebuildSaved(torch.autograd.graph.saved_tensors_hooks):
     goes to the hooks that were active when entered (or is kept as it is)."""
 
     def __init__(self, target: Tensor, rebuild: Callable[[], Tensor]):
-        self.key, self.rebuild = target.untyped_storage().data_ptr(), rebuild
+        self.key, self.base, self.rebuild = _storage_id(target), target.storage_offset(), rebuild
         self.outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, t: Tensor):
-        if t.untyped_storage().data_ptr() == self.key and t.untyped_storage().nbytes() > 0:
-            return _Recipe(self.rebuild, t)
+        if _storage_id(t) == self.key and t.untyped_storage().nbytes() > 0:
+            return _Recipe(self.rebuild, t, self.base)
         return (False, self.outer[0](t) if self.outer else t)
 
     def _unpack(self, packed):
