@@ -308,7 +308,7 @@ def dtype_cast_ops() -> frozenset:
 
 def rebuilt_ops(ops: Sequence[str]) -> frozenset:
     """The aten ops a compiled block recomputes for ``model.recompute_ops`` ``ops`` (the eager block
-    rebuilds their outputs through :func:`seqpar.recompute_ops.recompute_output`): LayerNorm for
+    rebuilds their outputs through :func:`seqpar.model.recompute_ops.recompute_output`): LayerNorm for
     ``norm``, GeLU for ``activation``. Each appears in a block only as that norm or activation."""
     aten = torch.ops.aten
     table = {"norm": (aten.native_layer_norm.default,), "activation": (aten.gelu.default,)}

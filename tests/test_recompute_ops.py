@@ -1,4 +1,4 @@
-"""model.recompute_ops (seqpar.recompute_ops): norm outputs, activation output and dropout masks rebuilt
+"""model.recompute_ops (seqpar.model.recompute_ops): norm outputs, activation output and dropout masks rebuilt
 in backward. Bit-identical gradients and the same dropout masks as without the choice (t=1, t=2 with and
 without SP), the bytes each choice stops keeping equal to its formula (ledger, eager and compiled),
 and the config surface that states them."""

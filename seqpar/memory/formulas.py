@@ -25,7 +25,7 @@ from typing import Literal, Sequence, get_args
 from .. import config
 from ..config import ParallelConfig, TrainConfig, resolve_config, shipped_dir
 from ..model.config import GPTConfig
-from ..recompute_ops import DROPPED_TERMS, check_recompute_ops
+from ..model.recompute_ops import DROPPED_TERMS, check_recompute_ops
 from .schedule import interleave_factor as _interleave
 
 Technique = Literal["none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "full"]
@@ -76,7 +76,7 @@ def split_coefficient(*, h: int, a: int, kv_heads: int | None = None, ffn_hidden
 def recompute_op_coefficients(*, h: int, a: int, kv_heads: int | None = None, ffn_hidden: int | None = None,
                               mlp: Mlp = "gelu") -> dict[str, Fraction]:
     """The multiple of ``sbh`` (16-bit activations, 1-byte masks) each ``model.recompute_ops`` choice
-    stops keeping (:data:`seqpar.recompute_ops.DROPPED_TERMS`): ``norm`` 4 (the QKV and fc1 inputs),
+    stops keeping (:data:`seqpar.model.recompute_ops.DROPPED_TERMS`): ``norm`` 4 (the QKV and fc1 inputs),
     ``activation`` ``2f/h`` (the fc2 input: 8 for GeLU at f = 4h), ``dropout`` 2 (two 1-byte masks).
     Under SP each is divided by ``t``; under plain TP only ``activation`` is (the others are
     replicated)."""

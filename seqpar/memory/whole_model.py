@@ -33,7 +33,7 @@ from typing import Sequence
 from ..model.config import GPTConfig
 from ..model.modes import resolve_attention
 from ..recompute import full_recompute_plan
-from ..recompute_ops import DROPPED_TERMS
+from ..model.recompute_ops import DROPPED_TERMS
 from .formulas import _SCORE_TERMS, _sbh_terms, outside_layer_terms
 from .moe import moe_ffn_terms
 
@@ -124,7 +124,7 @@ def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: 
     ``moe``: an MoE layer, whose FFN keeps :func:`seqpar.memory.moe.moe_ffn_terms` instead of the
     MLP's fc1 input, activation input and fc2 input, over ``ep`` expert-parallel ranks (an even
     load: each rank receives as many rows as it sends). ``cfg.recompute_ops`` leave out the terms
-    those choices rebuild in backward (:data:`seqpar.recompute_ops.DROPPED_TERMS`)."""
+    those choices rebuild in backward (:data:`seqpar.model.recompute_ops.DROPPED_TERMS`)."""
     sbh, scores = Fraction(s * b * cfg.hidden), Fraction(cfg.heads * s * s * b)
     rep = t if cfg.sequence_parallel else 1  # the terms plain TP leaves replicated: SP splits them too
     u = Fraction(act, 2)  # Table 2 counts 2-byte activations

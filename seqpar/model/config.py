@@ -15,7 +15,7 @@ from typing import Literal, TypeVar
 import torch
 
 from ..errors import UserError
-from ..recompute_ops import check_recompute_ops
+from .recompute_ops import check_recompute_ops
 from .modes import (ATTENTION_MODES, RECOMPUTE_METHODS, RECOMPUTE_MODES, AttentionMode, RecomputeMethod, RecomputeMode,
                     RecomputeOp)
 
@@ -209,7 +209,7 @@ class GPTConfig(Freezable):
     # per-layer modes, one per layer; when set they override recompute (each full layer is its own
     # checkpointed unit; recompute_method / recompute_num_layers are then unused)
     recompute_layers: tuple[RecomputeMode, ...] | None = None
-    # op-level choices in every none / selective layer (seqpar.recompute_ops): norm (the norm outputs),
+    # op-level choices in every none / selective layer (seqpar.model.recompute_ops): norm (the norm outputs),
     # activation (the GeLU / SwiGLU output), dropout (the two dropout masks), rebuilt in backward;
     # under recompute: auto the choices auto may take (it keeps the subset it takes)
     recompute_ops: tuple[RecomputeOp, ...] = ()

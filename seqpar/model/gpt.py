@@ -24,7 +24,7 @@ from ..distributed.rng import RNGStreams
 from ..errors import UserError
 from ..layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy
 from ..recompute import plan_recompute, run_plan
-from ..recompute_ops import recompute_output
+from .recompute_ops import recompute_output
 from ..sharding import mark_sp_replicated
 from .attention import SelfAttention
 from .config import GPTConfig
@@ -57,7 +57,7 @@ class Dropout(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer layer: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``.
     ``ln1``/``ln2`` are LayerNorms or RMSNorms (``config.norm``). ``config.recompute_ops``
-    (:mod:`seqpar.recompute_ops`): ``norm`` keeps neither norm's output (rebuilt in backward from
+    (:mod:`seqpar.model.recompute_ops`): ``norm`` keeps neither norm's output (rebuilt in backward from
     its input), ``activation`` the MLP's activation output, ``dropout`` neither dropout mask."""
 
     def __init__(self, config: GPTConfig, tp_group, streams: RNGStreams, layer_std: tuple[float, float],

@@ -7,7 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..layers import ColumnParallelLinear, RowParallelLinear
-from ..recompute_ops import recompute_output
+from .recompute_ops import recompute_output
 from .config import GPTConfig
 
 

@@ -13,7 +13,7 @@ import torch
 
 # defined with the recompute plans, below model
 from ..recompute import RECOMPUTE_METHODS, RECOMPUTE_MODES, RecomputeMethod, RecomputeMode
-from ..recompute_ops import RECOMPUTE_OPS, RecomputeOp
+from .recompute_ops import RECOMPUTE_OPS, RecomputeOp
 
 # seqpar's own attention core (Table 2's bytes), PyTorch's fused kernels, or auto: sdpa on CUDA, math elsewhere
 AttentionMode = Literal["auto", "math", "sdpa"]

@@ -11,7 +11,7 @@ the planner's own memory model, so the plan and the search agree by construction
 FLOPs recomputed per layer and micro-batch: selective, the attention core 4bs^2h; full, the whole
 forward 24bsh^2 + 4bs^2h (Appendix A; :func:`seqpar.flops.config_layer_forward_flops` for other shapes).
 
-``model.recompute_ops`` (:mod:`seqpar.recompute_ops`) are the choices below selective: elementwise
+``model.recompute_ops`` (:mod:`seqpar.model.recompute_ops`) are the choices below selective: elementwise
 work in every none / selective layer (:func:`op_flops`), tried as every subset of the allowed ones
 (:func:`best_choice`; under ``recompute: auto`` those ``model.recompute_ops`` lists); the subset and
 mix with the fewest recomputed FLOPs that fit wins, so a budget that no recompute misses by a little
