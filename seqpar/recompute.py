@@ -258,6 +258,13 @@ def compile_unsupported(config, cp: int = 1) -> str | None:
     if missing:
         return (f"train.compile needs a PyTorch whose torch._dynamo.config has {missing} (this is "
                 f"{torch.__version__}); upgrade PyTorch or set train.compile=false")
+    ops = tuple(getattr(config, "recompute_ops", ()))
+    custom = [f"{op} with {key}={getattr(config, key)}" for op, key, eager_only in
+              (("norm", "norm", "rmsnorm"), ("activation", "mlp", "swiglu"), ("norm", "qk_norm", True))
+              if op in ops and getattr(config, key) == eager_only]
+    if custom:
+        return (f"train.compile does not support model.recompute_ops {custom} yet: a compiled block rebuilds "
+                f"only LayerNorm's and GeLU's outputs (dropout is supported everywhere)")
     if cp > 1:
         return (f"train.compile supports parallel.cp = 1 only (got cp={cp}): context-parallel attention "
                 f"exchanges K/V with point-to-point calls the compiler does not trace yet")
@@ -299,9 +306,19 @@ def dtype_cast_ops() -> frozenset:
     return frozenset({torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default})
 
 
-def block_policy(mode: RecomputeMode, low_precision: bool = False) -> Callable:
+def rebuilt_ops(ops: Sequence[str]) -> frozenset:
+    """The aten ops a compiled block recomputes for ``model.recompute_ops`` ``ops`` (the eager block
+    rebuilds their outputs through :func:`seqpar.model.recompute_ops.recompute_output`): LayerNorm for
+    ``norm``, GeLU for ``activation``. Each appears in a block only as that norm or activation."""
+    aten = torch.ops.aten
+    table = {"norm": (aten.native_layer_norm.default,), "activation": (aten.gelu.default,)}
+    return frozenset(op for name in ops for op in table.get(name, ()))
+
+
+def block_policy(mode: RecomputeMode, low_precision: bool = False, ops: tuple[str, ...] = ()) -> Callable:
     """The selective-checkpoint policy of a compiled block at recompute ``mode`` ("none" or
-    "selective"; a full layer is checkpointed around its compiled block by :func:`checkpoint`).
+    "selective"; a full layer is checkpointed around its compiled block by :func:`checkpoint`),
+    with ``model.recompute_ops`` ``ops`` (:func:`rebuilt_ops` recomputed too).
 
     Everything outside the attention core is saved as the eager step saves it (``MUST_SAVE``),
     except with ``low_precision`` (bf16 / fp16 activations): Inductor decomposes LayerNorm and GeLU
@@ -310,7 +327,7 @@ def block_policy(mode: RecomputeMode, low_precision: bool = False) -> Callable:
     and recomputes the cast (and may recompute other cheap pointwise ops: docs/training.md)."""
     if mode not in ("none", "selective"):
         raise ValueError(f"a compiled block's own policy is 'none' or 'selective', got {mode!r}")
-    core = attention_core_ops() if mode == "selective" else frozenset()
+    core = (attention_core_ops() if mode == "selective" else frozenset()) | rebuilt_ops(ops)
     cheap = sequence_gather_ops() | dtype_cast_ops()
 
     def policy(ctx, op, *args, **kwargs):
@@ -323,8 +340,10 @@ def block_policy(mode: RecomputeMode, low_precision: bool = False) -> Callable:
     return policy
 
 
-_POLICIES: dict[tuple[str, bool], Callable] = {(mode, low): block_policy(mode, low) for mode in ("none", "selective")
-                                               for low in (False, True)}  # built untraced
+_REBUILT = ((), ("norm",), ("activation",), ("norm", "activation"))  # the compiled blocks' own choices
+_POLICIES: dict[tuple[str, bool, tuple[str, ...]], Callable] = {
+    (mode, low, ops): block_policy(mode, low, ops) for mode in ("none", "selective") for low in (False, True)
+    for ops in _REBUILT}  # built untraced
 
 
 def _recompute_everything(ctx, op, *args, **kwargs):
@@ -339,9 +358,11 @@ def recompute_region(fn: Callable, *args: torch.Tensor) -> torch.Tensor:
     return torch_checkpoint(fn, *args, use_reentrant=False, context_fn=context)
 
 
-def run_with_policy(fn: Callable, x: torch.Tensor, mode: RecomputeMode) -> torch.Tensor:
-    """``fn(x)`` under ``mode``'s selective-checkpoint policy (traced by torch.compile as one
-    region; the stream states a dropout advances are advanced once, in forward)."""
+def run_with_policy(fn: Callable, x: torch.Tensor, mode: RecomputeMode, ops: tuple[str, ...] = ()) -> torch.Tensor:
+    """``fn(x)`` under ``mode``'s selective-checkpoint policy with the block's rebuilt ``ops``
+    ("norm", "activation": :func:`rebuilt_ops`) (traced by torch.compile as one region; the stream
+    states a dropout advances are advanced once, in forward)."""
     low = x.dtype in (torch.bfloat16, torch.float16) or torch.is_autocast_enabled(x.device.type)
-    context = partial(create_selective_checkpoint_contexts, _POLICIES[(mode, low)])
+    rebuilt = tuple(op for op in ("norm", "activation") if op in ops)
+    context = partial(create_selective_checkpoint_contexts, _POLICIES[(mode, low, rebuilt)])
     return torch_checkpoint(fn, x, use_reentrant=False, context_fn=context)

@@ -40,7 +40,7 @@ MODEL_KEYS = ("vocab_size", "hidden", "heads", "kv_heads", "layers", "ffn_hidden
 # init_std only draws the weights a checkpoint overwrites; vocab_multiple pads rows checkpoints do not
 # store; dtype converts the saved values on load.
 RUNTIME_KEYS = ("dropout", "attention_dropout", "init_std", "vocab_multiple", "sequence_parallel", "recompute",
-                "recompute_method", "recompute_num_layers", "recompute_layers", "attention", "dtype")
+                "recompute_method", "recompute_num_layers", "recompute_layers", "recompute_ops", "attention", "dtype")
 _BLOCK, _BLOCKS = 4096, 64
 
 

@@ -132,6 +132,45 @@ stream_dropout = _register("stream_dropout")
 core_dropout = _register("core_dropout")
 
 
+# ``model.recompute_ops: [dropout]``: the same draw, keeping the generator state before it (bookkeeping,
+# 5,056 bytes on the CPU, 16 on CUDA) instead of the 1-byte mask; backward redraws the mask from it
+@torch.library.custom_op("seqpar::redrawn_dropout", mutates_args=())
+def redrawn_dropout(x: torch.Tensor, p: float, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, after = _draw(x, p, state)
+    return y, after
+
+
+@torch.library.custom_op("seqpar::redrawn_dropout_backward", mutates_args=())
+def redrawn_dropout_backward(grad: torch.Tensor, p: float, state: torch.Tensor) -> torch.Tensor:
+    """The forward's mask drawn again from ``state`` (the draw reads only the shape, dtype and
+    generator), applied to ``grad``."""
+    _, mask, _ = _draw(torch.zeros_like(grad), p, state)
+    return torch.ops.aten.native_dropout_backward(grad, mask, 1.0 / (1.0 - p))
+
+
+@redrawn_dropout.register_fake
+def _(x, p, state):
+    return torch.empty_like(x), torch.empty_like(state)
+
+
+@redrawn_dropout_backward.register_fake
+def _(grad, p, state):
+    return torch.empty_like(grad)
+
+
+def _redrawn_setup(ctx, inputs, output):
+    ctx.p = inputs[1]
+    ctx.save_for_backward(inputs[2])  # the state before the draw, not the mask
+
+
+def _redrawn_backward(ctx, grad_y, grad_state):
+    (state,) = ctx.saved_tensors
+    return torch.ops.seqpar.redrawn_dropout_backward(grad_y, ctx.p, state), None, None
+
+
+redrawn_dropout.register_autograd(_redrawn_backward, setup_context=_redrawn_setup)
+
+
 class RNGStreams:
     """Named generator states for dropout; see the module docstring.
 
@@ -180,14 +219,20 @@ class RNGStreams:
             self.states[name] = _get_device_state(self.device)
             _set_device_state(self.device, saved)
 
-    def dropout(self, x: torch.Tensor, p: float, name: str = "tp", *, core: bool = False) -> torch.Tensor:
+    def dropout(self, x: torch.Tensor, p: float, name: str = "tp", *, core: bool = False,
+                redraw: bool = False) -> torch.Tensor:
         """``x`` with dropout ``p`` (training mode) drawn from stream ``name``; keeps a 1-byte mask.
         Traceable by ``torch.compile`` (see the module docstring); call :meth:`materialize` before
         compiling, since seeding the streams creates generators. ``core``: the attention core's
-        dropout (``seqpar::core_dropout``, the op selective recompute replays)."""
+        dropout (``seqpar::core_dropout``, the op selective recompute replays). ``redraw``: keep
+        the generator state instead of the mask and redraw the same mask in backward
+        (``seqpar::redrawn_dropout``)."""
         if name not in self.states:
             raise ValueError(f"unknown RNG stream {name!r}; known: {sorted(self.states)}")
         self._drawn = True
+        if redraw:
+            y, self.states[name] = torch.ops.seqpar.redrawn_dropout(x, p, self.states[name])
+            return y
         op = torch.ops.seqpar.core_dropout if core else torch.ops.seqpar.stream_dropout
         y, _, self.states[name] = op(x, p, self.states[name])
         return y

@@ -25,6 +25,7 @@ from typing import Literal, Sequence, get_args
 from .. import config
 from ..config import ParallelConfig, TrainConfig, resolve_config, shipped_dir
 from ..model.config import GPTConfig
+from ..model.recompute_ops import DROPPED_TERMS, check_recompute_ops
 from .schedule import interleave_factor as _interleave
 
 Technique = Literal["none", "tp", "tp_sp", "tp_selective", "tp_sp_selective", "full"]
@@ -72,6 +73,29 @@ def split_coefficient(*, h: int, a: int, kv_heads: int | None = None, ffn_hidden
     return sum((c for c, shard in _sbh_terms(h, a, kv_heads, ffn_hidden, mlp).values() if shard == "tp"), Fraction(0))
 
 
+def recompute_op_coefficients(*, h: int, a: int, kv_heads: int | None = None, ffn_hidden: int | None = None,
+                              mlp: Mlp = "gelu") -> dict[str, Fraction]:
+    """The multiple of ``sbh`` (16-bit activations, 1-byte masks) each ``model.recompute_ops`` choice
+    stops keeping (:data:`seqpar.model.recompute_ops.DROPPED_TERMS`): ``norm`` 4 (the QKV and fc1 inputs),
+    ``activation`` ``2f/h`` (the fc2 input: 8 for GeLU at f = 4h), ``dropout`` 2 (two 1-byte masks).
+    Under SP each is divided by ``t``; under plain TP only ``activation`` is (the others are
+    replicated)."""
+    terms = _sbh_terms(h, a, kv_heads, ffn_hidden, mlp)
+    return {op: sum((terms[n][0] for n in names if n in terms), Fraction(0)) for op, names in DROPPED_TERMS.items()}
+
+
+def _dropped(technique: str, ops: Sequence[str], sbh: int, t: int, *, h: int, a: int, kv_heads: int | None,
+             ffn_hidden: int | None, mlp: str) -> Fraction:
+    """Bytes per layer ``ops`` (``model.recompute_ops``) stop keeping under ``technique``."""
+    ops = check_recompute_ops(ops, "recompute_ops")
+    if ops and technique == "full":
+        raise ValueError(f"recompute_ops {list(ops)} mean nothing with full recompute")
+    layer = _sbh_terms(h, a, kv_heads, ffn_hidden, mlp)
+    tt, sp = (1 if technique == "none" else t), technique in ("tp_sp", "tp_sp_selective")
+    names = [n for op in ops for n in DROPPED_TERMS[op] if n in layer]
+    return sum((layer[n][0] * sbh / (tt if (layer[n][1] == "tp" or sp) else 1) for n in names), Fraction(0))
+
+
 def _out(x: Fraction) -> Number:
     return int(x) if x.denominator == 1 else float(x)
 
@@ -98,7 +122,7 @@ def _held(technique: Technique, kv_heads: int | None, t: int) -> int | None:
 
 def activation_breakdown(technique: Technique, *, s: int, b: int, h: int, a: int, t: int = 1,
                          kv_heads: int | None = None, ffn_hidden: int | None = None,
-                         mlp: Mlp = "gelu") -> dict[str, Number]:
+                         mlp: Mlp = "gelu", recompute_ops: Sequence[str] = ()) -> dict[str, Number]:
     """Bytes per layer of each stored activation (names as in Table 2's derivation) for one GPU.
 
     ``"tp"`` divides only the head/column-split terms by ``t``; ``"tp_sp"`` divides all terms by
@@ -106,9 +130,12 @@ def activation_breakdown(technique: Technique, *, s: int, b: int, h: int, a: int
     output (recomputed in backward); ``"full"`` keeps only the layer input ``{"layer_input": 2sbh}``.
     ``t`` is ignored for ``"none"`` (one device) and ``"full"`` (Table 2's 2sbh row).
     ``kv_heads``, ``ffn_hidden``, ``mlp``: the Llama-family generalisation (module docstring);
-    SwiGLU names ``swiglu_gate_up`` instead of ``gelu_input``.
+    SwiGLU names ``swiglu_gate_up`` instead of ``gelu_input``. ``recompute_ops``: the terms of those
+    ``model.recompute_ops`` choices are left out (:func:`recompute_op_coefficients`).
     """
     _check(technique, s=s, b=b, h=h, a=a, t=t)
+    _dropped(technique, recompute_ops, 1, t, h=h, a=a, kv_heads=kv_heads, ffn_hidden=ffn_hidden, mlp=mlp)  # checks
+    dropped = {n for op in recompute_ops for n in DROPPED_TERMS[op]}
     sbh = s * b * h
     layer = _sbh_terms(h, a, _held(technique, kv_heads, t), ffn_hidden, mlp)
     if technique == "full":
@@ -117,7 +144,8 @@ def activation_breakdown(technique: Technique, *, s: int, b: int, h: int, a: int
     sp = technique in ("tp_sp", "tp_sp_selective")
     terms: dict[str, Fraction] = {}
     for name, (k, shard) in layer.items():
-        terms[name] = k * sbh / (tt if (shard == "tp" or sp) else 1)
+        if name not in dropped:
+            terms[name] = k * sbh / (tt if (shard == "tp" or sp) else 1)
     if not technique.endswith("selective"):
         for name, k in _SCORE_TERMS.items():
             terms[name] = Fraction(k * a * s * s * b, tt)
@@ -138,16 +166,20 @@ def _per_layer(technique: Technique, s: int, b: int, h: int, a: int, t: int, c: 
 
 
 def bytes_per_layer(technique: Technique, *, s: int, b: int, h: int, a: int, t: int = 1, kv_heads: int | None = None,
-                    ffn_hidden: int | None = None, mlp: Mlp = "gelu") -> Number:
+                    ffn_hidden: int | None = None, mlp: Mlp = "gelu", recompute_ops: Sequence[str] = ()) -> Number:
     """Activation bytes one transformer layer stores per GPU: the closed forms of Table 2.
 
     none: sbh(34 + 5as/h); tp: sbh(10 + 24/t + 5as/(ht)); tp_sp: (sbh/t)(34 + 5as/h);
     tp_selective: sbh(10 + 24/t); tp_sp_selective: 34sbh/t; full: 2sbh. With ``kv_heads``,
     ``ffn_hidden`` or ``mlp="swiglu"``, 24 becomes :func:`split_coefficient` ``c`` and 34 ``10 + c``.
+    ``recompute_ops`` (``model.recompute_ops``) subtract their :func:`recompute_op_coefficients`
+    (under SP divided by ``t``): tp_sp_selective with all three is ``(34 - 14)sbh/t`` for GPT.
     """
     _check(technique, s=s, b=b, h=h, a=a, t=t)
-    c = split_coefficient(h=h, a=a, kv_heads=_held(technique, kv_heads, t), ffn_hidden=ffn_hidden, mlp=mlp)
-    return _out(_per_layer(technique, s, b, h, a, t, c))
+    g = _held(technique, kv_heads, t)
+    c = split_coefficient(h=h, a=a, kv_heads=g, ffn_hidden=ffn_hidden, mlp=mlp)
+    dropped = _dropped(technique, recompute_ops, s * b * h, t, h=h, a=a, kv_heads=g, ffn_hidden=ffn_hidden, mlp=mlp)
+    return _out(_per_layer(technique, s, b, h, a, t, c) - dropped)
 
 
 def ratio_to_tp(technique: Technique, *, s: int, b: int, h: int, a: int, t: int, kv_heads: int | None = None,

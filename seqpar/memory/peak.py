@@ -12,7 +12,7 @@ import weakref
 
 import torch
 
-from .ledger import ActivationLedger, _local
+from .ledger import ActivationLedger, _is_generator_state, _local
 
 
 class _Held:
@@ -65,7 +65,7 @@ class PeakActivationLedger(ActivationLedger):
             return saved
         t = _local(saved)
         ptr, nbytes = self._ptr(t), t.untyped_storage().nbytes()
-        if ptr in self._skip or nbytes == 0:
+        if ptr in self._skip or nbytes == 0 or _is_generator_state(t):  # bookkeeping, as the parent leaves out
             return saved
         entry = self._live.get(ptr)
         if entry is None:

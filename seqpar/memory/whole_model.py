@@ -33,6 +33,7 @@ from typing import Sequence
 from ..model.config import GPTConfig
 from ..model.modes import resolve_attention
 from ..recompute import full_recompute_plan
+from ..model.recompute_ops import DROPPED_TERMS
 from .formulas import _SCORE_TERMS, _sbh_terms, outside_layer_terms
 from .moe import moe_ffn_terms
 
@@ -122,7 +123,8 @@ def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: 
     the context-parallel kernel's (Table 2's selective terms and the log-sum-exp, in any mode).
     ``moe``: an MoE layer, whose FFN keeps :func:`seqpar.memory.moe.moe_ffn_terms` instead of the
     MLP's fc1 input, activation input and fc2 input, over ``ep`` expert-parallel ranks (an even
-    load: each rank receives as many rows as it sends)."""
+    load: each rank receives as many rows as it sends). ``cfg.recompute_ops`` leave out the terms
+    those choices rebuild in backward (:data:`seqpar.model.recompute_ops.DROPPED_TERMS`)."""
     sbh, scores = Fraction(s * b * cfg.hidden), Fraction(cfg.heads * s * s * b)
     rep = t if cfg.sequence_parallel else 1  # the terms plain TP leaves replicated: SP splits them too
     u = Fraction(act, 2)  # Table 2 counts 2-byte activations
@@ -133,6 +135,9 @@ def layer_terms(cfg: GPTConfig, *, s: int, b: int, t: int, act: int, selective: 
                 terms[name] = k * sbh / rep
         else:
             terms[name] = k * sbh * u / (t if shard == "tp" else rep)
+    for op in cfg.recompute_ops:  # model.recompute_ops: rebuilt in backward, not kept
+        for name in DROPPED_TERMS[op]:
+            terms.pop(name, None)
     if moe:
         for name in ("fc1_input", "gelu_input", "swiglu_gate_up", "fc2_input"):
             terms.pop(name, None)

@@ -15,7 +15,9 @@ from typing import Literal, TypeVar
 import torch
 
 from ..errors import UserError
-from .modes import ATTENTION_MODES, RECOMPUTE_METHODS, RECOMPUTE_MODES, AttentionMode, RecomputeMethod, RecomputeMode
+from .recompute_ops import check_recompute_ops
+from .modes import (ATTENTION_MODES, RECOMPUTE_METHODS, RECOMPUTE_MODES, AttentionMode, RecomputeMethod, RecomputeMode,
+                    RecomputeOp)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 T = TypeVar("T")
@@ -207,6 +209,10 @@ class GPTConfig(Freezable):
     # per-layer modes, one per layer; when set they override recompute (each full layer is its own
     # checkpointed unit; recompute_method / recompute_num_layers are then unused)
     recompute_layers: tuple[RecomputeMode, ...] | None = None
+    # op-level choices in every none / selective layer (seqpar.model.recompute_ops): norm (the norm outputs),
+    # activation (the GeLU / SwiGLU output), dropout (the two dropout masks), rebuilt in backward;
+    # under recompute: auto the choices auto may take (it keeps the subset it takes)
+    recompute_ops: tuple[RecomputeOp, ...] = ()
     attention: AttentionMode = "math"  # sdpa: PyTorch's fused kernels
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"  # parameter/activation dtype
     qk_norm: bool = False          # Qwen3: RMSNorm over each q and k head before RoPE (needs g >= t)
@@ -267,6 +273,7 @@ class GPTConfig(Freezable):
             raise UserError(f"GPTConfig.recompute_num_layers ({self.recompute_num_layers}) exceeds layers "
                             f"({self.layers})")
         self._validate_recompute_layers()
+        self._validate_recompute_ops()
         self._validate_llama_options()
         if self.moe is not None:
             self.moe.validate()
@@ -280,6 +287,25 @@ class GPTConfig(Freezable):
         if len(modes) != self.layers:
             raise UserError(f"GPTConfig.recompute_layers has {len(modes)} entries but layers is {self.layers} "
                             f"(model.recompute_layers needs one mode per layer of model.layers)")
+
+    def _validate_recompute_ops(self) -> None:
+        """``recompute_ops``: known, distinct values, in layers that are not all ``full``."""
+        try:
+            ops = check_recompute_ops(self.recompute_ops)
+        except ValueError as e:
+            raise UserError(str(e)) from None
+        if not ops:
+            return
+        modes = self.recompute_layers
+        if (modes is None and self.recompute == "full") or (modes is not None and all(m == "full" for m in modes)):
+            raise UserError(f"model.recompute_ops={list(ops)} means nothing with full recompute (a full layer keeps "
+                            f"only its input); use model.recompute none or selective, or per-layer modes with "
+                            f"some none / selective layers")
+        if "dropout" in ops and self.dropout == 0:
+            raise UserError("model.recompute_ops has 'dropout' but model.dropout=0 keeps no dropout masks")
+        if self.moe is not None:
+            raise UserError(f"model.recompute_ops={list(ops)} with model.moe is not supported yet (an MoE layer "
+                            f"has model.moe.recompute_experts)")
 
     def layer_recompute(self) -> tuple[str, ...] | None:
         """The per-layer modes the model runs: ``recompute_layers`` if set, else ``None`` (uniform

@@ -24,6 +24,7 @@ from ..distributed.rng import RNGStreams
 from ..errors import UserError
 from ..layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy
 from ..recompute import plan_recompute, run_plan
+from .recompute_ops import recompute_output
 from ..sharding import mark_sp_replicated
 from .attention import SelfAttention
 from .config import GPTConfig
@@ -37,24 +38,27 @@ from .vocab import check_token_ids, mask_padded_logits, pad_rows, padded_normal_
 
 
 class Dropout(nn.Module):
-    """Dropout drawing from a named seqpar RNG stream; keeps a 1-byte mask (``torch.native_dropout``)."""
+    """Dropout drawing from a named seqpar RNG stream; keeps a 1-byte mask (``torch.native_dropout``),
+    or with ``redraw`` the stream's generator state, redrawing the same mask in backward."""
 
-    def __init__(self, p: float, streams: RNGStreams, stream: str):
+    def __init__(self, p: float, streams: RNGStreams, stream: str, redraw: bool = False):
         super().__init__()
-        self.p, self.streams, self.stream = p, streams, stream
+        self.p, self.streams, self.stream, self.redraw = p, streams, stream, redraw
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0.0:
             return x
-        return self.streams.dropout(x, self.p, self.stream)
+        return self.streams.dropout(x, self.p, self.stream, redraw=self.redraw)
 
     def extra_repr(self) -> str:
-        return f"p={self.p}, stream={self.stream!r}"
+        return f"p={self.p}, stream={self.stream!r}" + (", redraw=True" if self.redraw else "")
 
 
 class Block(nn.Module):
     """Pre-norm transformer layer: ``x + drop(attn(ln1(x)))``, then ``x + drop(mlp(ln2(x)))``.
-    ``ln1``/``ln2`` are LayerNorms or RMSNorms (``config.norm``)."""
+    ``ln1``/``ln2`` are LayerNorms or RMSNorms (``config.norm``). ``config.recompute_ops``
+    (:mod:`seqpar.model.recompute_ops`): ``norm`` keeps neither norm's output (rebuilt in backward from
+    its input), ``activation`` the MLP's activation output, ``dropout`` neither dropout mask."""
 
     def __init__(self, config: GPTConfig, tp_group, streams: RNGStreams, layer_std: tuple[float, float],
                  rope: RopeTables | None = None, cp: ContextParallel | None = None, ffn: nn.Module | None = None):
@@ -64,15 +68,20 @@ class Block(nn.Module):
         stream = "tp" if config.sequence_parallel else "replicated"  # SP: each rank holds other tokens
         self.ln1 = make_norm(config.norm, h, eps, dt)
         self.attn = SelfAttention(config, tp_group, streams, layer_std, rope, cp)
-        self.attn_dropout = Dropout(config.dropout, streams, stream)
+        ops = config.recompute_ops
+        self.attn_dropout = Dropout(config.dropout, streams, stream, redraw="dropout" in ops)
         self.ln2 = make_norm(config.norm, h, eps, dt)
         self.mlp = MLP(config, tp_group, layer_std) if ffn is None else ffn
-        self.mlp_dropout = Dropout(config.dropout, streams, stream)
+        self.mlp_dropout = Dropout(config.dropout, streams, stream, redraw="dropout" in ops)
+        self.recompute_norm = "norm" in ops
         if config.sequence_parallel and group_size(tp_group) > 1:
             mark_sp_replicated(self.ln1)
             mark_sp_replicated(self.ln2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute_norm:  # the QKV and fc1 layers' inputs rebuilt from the norms' inputs in backward
+            x = x + self.attn_dropout(recompute_output(self.ln1, x, self.attn))
+            return x + self.mlp_dropout(recompute_output(self.ln2, x, self.mlp))
         x = x + self.attn_dropout(self.attn(self.ln1(x)))
         return x + self.mlp_dropout(self.mlp(self.ln2(x)))
 

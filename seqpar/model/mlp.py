@@ -7,6 +7,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..layers import ColumnParallelLinear, RowParallelLinear
+from .recompute_ops import recompute_output
 from .config import GPTConfig
 
 
@@ -58,6 +59,10 @@ class MLP(nn.Module):
         self.act = SwiGLU() if swiglu else nn.GELU(approximate="tanh" if config.activation == "gelu_tanh" else "none")
         self.fc2 = RowParallelLinear(f, h, bias=config.bias, tp_group=tp_group, sequence_parallel=sp, dtype=dt,
                                      init_method=lambda w: nn.init.normal_(w, 0.0, out_std))
+        # model.recompute_ops: [activation]: fc2's input rebuilt from fc1's output (which act keeps) in backward
+        self.recompute_activation = "activation" in config.recompute_ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute_activation:
+            return recompute_output(self.act, self.fc1(x), self.fc2)
         return self.fc2(self.act(self.fc1(x)))

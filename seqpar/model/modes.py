@@ -13,6 +13,7 @@ import torch
 
 # defined with the recompute plans, below model
 from ..recompute import RECOMPUTE_METHODS, RECOMPUTE_MODES, RecomputeMethod, RecomputeMode
+from .recompute_ops import RECOMPUTE_OPS, RecomputeOp
 
 # seqpar's own attention core (Table 2's bytes), PyTorch's fused kernels, or auto: sdpa on CUDA, math elsewhere
 AttentionMode = Literal["auto", "math", "sdpa"]
@@ -40,4 +41,4 @@ PRECISION_SETTINGS: tuple[str, ...] = get_args(PrecisionSetting)
 
 __all__ = ["ATTENTION_MODES", "DATA_PARALLEL_MODES", "PRECISIONS", "PRECISION_SETTINGS", "RECOMPUTE_METHODS",
            "RECOMPUTE_MODES", "AttentionKernel", "AttentionMode", "DataParallelMode", "Precision", "PrecisionSetting",
-           "RecomputeMethod", "RecomputeMode", "resolve_attention"]
+           "RECOMPUTE_OPS", "RecomputeMethod", "RecomputeMode", "RecomputeOp", "resolve_attention"]

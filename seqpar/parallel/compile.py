@@ -72,7 +72,9 @@ def compile_seconds() -> float:
 
 def _policy_forward(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     mode = "selective" if getattr(block.attn, "recompute", False) else "none"
-    return run_with_policy(lambda y: type(block).forward(block, y), x, mode)
+    ops = (("norm",) if getattr(block, "recompute_norm", False) else ()) + \
+        (("activation",) if getattr(block.mlp, "recompute_activation", False) else ())
+    return run_with_policy(lambda y: type(block).forward(block, y), x, mode, ops)
 
 
 def _fresh_forward(backend: str | Callable = "inductor") -> Callable:

@@ -20,4 +20,11 @@ def model_key(model: GPTConfig) -> tuple:
     """The fields the planner reads, as a hashable key for its caches."""
     return (model.seq_len, model.hidden, model.heads, model.ffn_hidden, model.layers, model.vocab_size,
             model.vocab_multiple, model.dropout, model.attention_dropout, model.bias, model.tie_embeddings,
-            model.num_kv_heads, model.mlp, model.position, model.norm, model.attention)
+            model.num_kv_heads, model.mlp, model.position, model.norm, model.attention, tuple(model.recompute_ops))
+
+
+def with_recompute_ops(model: GPTConfig, ops: tuple[str, ...]) -> GPTConfig:
+    """``model`` with a layout's ``model.recompute_ops`` (``()``: the model's own)."""
+    if not ops or tuple(model.recompute_ops) == tuple(ops):
+        return model
+    return replace(model, recompute_ops=tuple(ops))

@@ -26,6 +26,7 @@ class Recompute:
     method: RecomputeMethod = "uniform"        # full only, as GPTConfig.recompute_method
     num_layers: int = 1                        # full only: N, as GPTConfig.recompute_num_layers
     counts: tuple[tuple[Mode, int], ...] = ()  # mixed only, e.g. (("none", 29), ("selective", 19))
+    ops: tuple[str, ...] = ()                  # model.recompute_ops of the none / selective layers
 
     def per_stage(self, chunk: int, chunks: int = 1) -> dict[Mode, int]:
         """Layers of each mode on a stage of ``chunks`` model chunks of ``chunk`` layers each
@@ -43,6 +44,9 @@ class Recompute:
         return {m: (n if m == self.kind else 0) for m in RECOMPUTE_MODES}
 
     def label(self) -> str:
+        return self._kind_label() + "".join(f"+{op}" for op in self.ops)
+
+    def _kind_label(self) -> str:
         if self.kind == "mixed":
             return "mix(" + ",".join(f"{m[:4]}={k}" for m, k in self.counts if k) + ")"
         if self.kind == "full":

@@ -28,7 +28,7 @@ Composed from :mod:`seqpar.memory`, which holds every byte formula:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..memory.params import expert_params, layer_params, root_params, stage_params
 from ..memory.schedule import first_chunk_in_flight, in_flight_per_layer
@@ -93,7 +93,9 @@ _PER_LAYER_CACHE: dict[tuple, dict[RecomputeMode, int]] = {}
 def per_layer_activations(model: GPTConfig, layout: Layout, precision: str = "bf16",
                           device: str = "cuda") -> dict[RecomputeMode, int]:
     """Bytes one layer keeps for backward for one micro-batch, per recompute mode (full: the unit
-    input), with the attention kernel ``device`` runs (the planner's GPUs: "cuda")."""
+    input), with the attention kernel ``device`` runs (the planner's GPUs: "cuda"), and the layout's
+    ``model.recompute_ops`` (``layout.recompute.ops``) left out of the none / selective layers."""
+    model = dims.with_recompute_ops(model, layout.recompute.ops)
     key = (dims.model_key(model), layout.tp, layout.sequence_parallel, layout.micro_batch, precision, layout.cp,
            device, repr(model.moe), layout.ep)
     if key not in _PER_LAYER_CACHE:
@@ -106,6 +108,16 @@ def per_layer_activations(model: GPTConfig, layout: Layout, precision: str = "bf
         _PER_LAYER_CACHE[key] = {mode: round(sum(n * layer_bytes(cfg, mode, **dims_, moe=e) for e, n in kinds.items() if n)
                                              / model.layers) for mode in RECOMPUTE_MODES}
     return _PER_LAYER_CACHE[key]
+
+
+def rebuilt_bytes(model: GPTConfig, layout: Layout, precision: str = "bf16") -> int:
+    """Bytes one none / selective layer rebuilds in backward for one micro-batch under the layout's
+    ``model.recompute_ops`` (what it no longer keeps): backward writes them once more."""
+    if not layout.recompute.ops:
+        return 0
+    plain = per_layer_activations(replace(model, recompute_ops=()), replace(layout, recompute=replace(layout.recompute,
+                                                                                                       ops=())), precision)
+    return plain["none"] - per_layer_activations(model, layout, precision)["none"]
 
 
 def inflight_layers(layout: Layout, n_micro: int, stage: int) -> float:

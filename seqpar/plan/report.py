@@ -101,6 +101,8 @@ def overrides(layout: Layout, model: GPTConfig, global_batch: int, precision: st
             out += [f"model.recompute_method={rc.method}", f"model.recompute_num_layers={rc.num_layers}"]
         if getattr(model, "recompute_layers", None) is not None:
             out.append("model.recompute_layers=null")  # the config's own list would override recompute
+    if rc.ops:  # the op-level choices (under auto: the ones it may take, which it takes again)
+        out.append("model.recompute_ops=[" + ",".join(rc.ops) + "]")
     if _has_field(TrainConfig, "precision"):
         out.append(f"train.precision={precision}")
     return out, notes

@@ -7,7 +7,8 @@ dividing the layers of a stage (p > 1, micro-batches a multiple of p); micro-bat
 batch per data-parallel rank; SP on or off (t > 1); DDP, or FSDP over dp x cp > 1 (p = 1); for an
 MoE model without pipeline stages, ep dividing dp x cp and the experts;
 recompute none, selective, full (uniform, N = 1), and the per-layer mix with
-the fewest recomputed FLOPs that fits (:func:`seqpar.plan.recompute.best_mix`) when asked for.
+the fewest recomputed FLOPs that fits (:func:`seqpar.plan.recompute.best_mix`) when asked for, with
+the ``model.recompute_ops`` choices of ``SearchSpace.recompute_ops`` (:func:`~seqpar.plan.recompute.best_choice`).
 A mix is never faster than no recompute, so it is only searched where no recompute does not fit
 and could still reach the top ``k``.
 """
@@ -23,7 +24,7 @@ from ..model.modes import DATA_PARALLEL_MODES, RECOMPUTE_MODES
 from .gpus import GPU
 from .layout import Layout, Recompute, check_layout
 from .memory import HEADROOM, Memory, memory_per_gpu
-from .recompute import best_mix
+from .recompute import allowed_ops, best_choice
 from .timing import StepTime, step_time
 
 UNIFORM = RECOMPUTE_MODES
@@ -48,6 +49,8 @@ class SearchSpace:
     data_parallel: tuple[str, ...] = DATA_PARALLEL_MODES
     cp: tuple[int, ...] | None = None  # context parallelism; None: every cp the sequence splits into
     ep: tuple[int, ...] | None = None  # expert parallelism (MoE); None: every ep dividing dp x cp and the experts
+    # model.recompute_ops choices a "mixed" search may add to its none / selective layers (any subset)
+    recompute_ops: tuple[str, ...] = ()
 
 
 # The paper's own choices (Table 3 / Table 5): t = 8, one node's GPUs, for every model; p, m, b, SP
@@ -173,9 +176,9 @@ def search(problem: Problem, space: SearchSpace = SearchSpace(), k: int = 10) ->
             if "mixed" in space.recompute:
                 kth = times[k - 1] if len(times) >= k else float("inf")
                 if none_time is None or none_time < kth:  # a mix is never faster than no recompute
-                    mix = best_mix(problem.model, family, problem.budget, problem.global_batch,
-                                   problem.precision)
-                    if mix is not None and sum(1 for _, n in mix.counts if n) > 1:
+                    mix = best_choice(problem.model, family, problem.budget, problem.global_batch,
+                                      problem.precision, allowed_ops(problem.model, space.recompute_ops))
+                    if mix is not None and (mix.ops or sum(1 for _, n in mix.counts if n) > 1):
                         add(evaluate(problem, replace(family, recompute=mix)))
                         evaluated += 1
     return SearchResult(ranked, evaluated, rejected)

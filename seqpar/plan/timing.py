@@ -56,7 +56,7 @@ from .gpus import GPU
 from .kernels import all_reduce_seconds, gather_seconds, gemm_fwd_bwd, link_bandwidth, memory_seconds
 from .experts import expert_comm, expert_shards, moe_elementwise, moe_gemms
 from .layout import Layout, Mode, micro_batches
-from .memory import ACTIVATION_BYTES
+from .memory import ACTIVATION_BYTES, rebuilt_bytes
 
 # grad-norm read 4, AdamW reads parameter, gradient, m, v (16) and writes parameter, m, v (12),
 # the bf16 compute copy reads 4 and writes 2, zeroing the fp32 gradients writes 4
@@ -268,6 +268,8 @@ def step_time(model: GPTConfig, layout: Layout, gpu: GPU, global_batch: int, gpu
     lt = layer_times(model, layout, gpu, precision, gpus_per_node)
     counts = layout.recompute.per_stage(model.layers // (p * m), m)
     backward_mb = sum(k * (lt.backward + lt.recompute[mode]) for mode, k in counts.items())
+    # model.recompute_ops: elementwise, memory-bound: each rebuilt byte read once and written once
+    backward_mb += (counts["none"] + counts["selective"]) * memory_seconds(gpu, 2 * rebuilt_bytes(model, layout, precision))
     layers_mb = backward_mb + sum(counts.values()) * lt.forward
     logits = gemm_fwd_bwd(gpu, s * b, v // t, h, 1, _peak_scale(gpu, precision))
     logits_mb = sum(logits) + memory_seconds(gpu, CROSS_ENTROPY_BYTES_PER_LOGIT[precision] * s * b * v / t)

@@ -100,6 +100,8 @@ def _auto_recompute(cfg: RunConfig, dp: int, device: str) -> tuple[RunConfig, st
     note = (f"recompute auto under train.memory_budget_gib={cfg.train.memory_budget_gib}: "
             f"{modes.count('none')} none, {modes.count('selective')} selective, "
             f"{modes.count('full')} full layers ({', '.join(modes)})")
+    if planned.model.recompute_ops:
+        note += f", model.recompute_ops {list(planned.model.recompute_ops)}"
     return dataclasses.replace(cfg, model=planned.model), note
 
 
