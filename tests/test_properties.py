@@ -81,6 +81,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "model.rope_scaling": st.none() | ROPE_SCALING,
     "model.recompute_layers": st.none() | st.lists(st.sampled_from(["none", "selective", "full"]), min_size=1,
                                                    max_size=4),  # resized to model.layers in valid_values
+    "model.recompute_ops": st.lists(st.sampled_from(["norm", "activation", "dropout"]), unique=True, max_size=3),
     "parallel.tp": st.sampled_from([1, 2, 4]), "parallel.dp": st.none() | st.integers(1, 4096),
     "parallel.pp": st.just(1), "parallel.virtual_stages": st.just(1),  # m > 1 needs pp > 1 dividing L
     "parallel.cp": st.just(1),  # cp > 1 needs seq_len in 2*cp chunks and no attention dropout
@@ -150,7 +151,21 @@ def valid_values(draw) -> dict[str, Any]:
     if modes is not None:  # one mode per layer
         layers = values.get("model.layers", 12)
         values["model.recompute_layers"] = (modes * layers)[:layers]
+    _keep_recompute_ops_meaningful(values)
     return values
+
+
+def _keep_recompute_ops_meaningful(values: dict[str, Any]) -> None:
+    """model.recompute_ops needs a none / selective layer, no MoE, dropout for its "dropout", and (for
+    now) eager blocks: drop what another drawn field makes meaningless."""
+    ops = values.get("model.recompute_ops")
+    if not ops:
+        return
+    modes = values.get("model.recompute_layers") or [values.get("model.recompute", "selective")]
+    if values.get("model.moe") is not None or all(m == "full" for m in modes) or values.get("train.compile") is True:
+        values["model.recompute_ops"] = []
+    elif values.get("model.dropout", 0.1) == 0:
+        values["model.recompute_ops"] = [op for op in ops if op != "dropout"]
 
 NEG = st.floats(max_value=0.0, exclude_max=True).filter(lambda v: v < 0)
 NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf])
@@ -182,6 +197,7 @@ OUT_OF_RANGE: dict[str, st.SearchStrategy] = {
     "train.memory_budget_gib": st.floats(max_value=0.0) | NONFINITE,
     "train.compile": st.sampled_from(["yes", "on", 1]),
     "model.recompute_layers": st.lists(st.sampled_from(["none", "selective", "full"]), max_size=11),  # layers = 12
+    "model.recompute_ops": st.lists(st.sampled_from(["norms", "gelu", "attention", "full"]), min_size=1, max_size=2),
     "checkpoint.interval": BELOW[0], "checkpoint.keep": BELOW[1], "train.max_skipped_steps": BELOW[1],
 }
 OUT_OF_RANGE = {k: s for k, s in OUT_OF_RANGE.items() if k in SCHEMA}
