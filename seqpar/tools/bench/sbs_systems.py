@@ -18,6 +18,8 @@ optimizer step and returns the loss (a tensor, or None where the step keeps it o
 from __future__ import annotations
 
 import dataclasses
+import logging
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Callable, Protocol
@@ -115,10 +117,24 @@ class MegatronStepper(_Closing):
         if cell.compiled or cell.attention != "math":
             raise ValueError("Megatron-core's local layer spec runs eagerly with its own unfused attention core: "
                              f"its cell is megatron-core/eager/math/..., got {cell.name}")
-        from .megatron_peer import MegatronPeer
+        self.peer = None
+        # on the CPU the peer's patches make Megatron's "CUDA" RNG states the CPU generator's, so
+        # its notice that the CPU state changed inside a dropout fork is expected: hidden here
+        self._rng_log = logging.getLogger("megatron.core.tensor_parallel.random")
+        self._rng_level = self._rng_log.level
+        if device.type != "cuda":
+            self._rng_log.setLevel(logging.ERROR)
         self._world = _one_rank_world(device)
+        try:
+            self._build(cell, shape, dropout, device)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, cell, shape: BenchShape, dropout: float, device: torch.device) -> None:
+        from .megatron_peer import MegatronPeer
         reference = GPT(model_config(shape), ParallelMesh.single(device), seed=0)
-        dense = reference.dense_state_dict()
+        dense = reference.dense_state_dict()  # Megatron loads seqpar's weights (its init is off)
         del reference
         self.peer = MegatronPeer()
         self.peer.build(dataclasses.replace(shape, dropout=dropout), dense, tp_group=None, tp_rank=0, tp_size=1,
@@ -129,6 +145,7 @@ class MegatronStepper(_Closing):
 
     def close(self) -> None:
         self.peer = None
+        self._rng_log.setLevel(self._rng_level)
         if self._world is not None:
             self._world()
 
@@ -147,6 +164,7 @@ def _one_rank_world(device: torch.device) -> Callable[[], None] | None:
         from megatron.core import parallel_state
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
+        shutil.rmtree(folder, ignore_errors=True)
 
     return end
 
