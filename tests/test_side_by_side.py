@@ -139,3 +139,18 @@ def test_a_megatron_cell_runs_on_a_one_rank_world_and_leaves_none(tmp_path):
     assert rows[0]["status"] == "ok", rows[0]
     assert rows[0]["hardware_flops"] > rows[0]["model_flops"]  # selective re-runs the attention core
     assert not dist.is_initialized()
+
+
+def test_top_ops_on_cuda_counts_kernels_not_the_host_operators_that_launch_them():
+    from types import SimpleNamespace as Event
+
+    from torch.autograd import DeviceType
+
+    from seqpar.tools.bench.side_by_side import top_ops
+    events = [Event(key="aten::mm", device_type=DeviceType.CPU, self_device_time_total=900, self_cpu_time_total=50),
+              Event(key="sm90_gemm", device_type=DeviceType.CUDA, self_device_time_total=900, self_cpu_time_total=0),
+              Event(key="flash_fwd", device_type=DeviceType.CUDA, self_device_time_total=300, self_cpu_time_total=0)]
+    cuda = top_ops(events, 2, torch.device("cuda"))
+    assert [(o["name"], o["ms_per_step"], o["share"]) for o in cuda] == [("sm90_gemm", 0.45, 0.75),
+                                                                          ("flash_fwd", 0.15, 0.25)]
+    assert [o["name"] for o in top_ops(events, 1, torch.device("cpu"))] == ["aten::mm"]

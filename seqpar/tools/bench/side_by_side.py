@@ -107,13 +107,18 @@ def _batch(shape: BenchShape, device: torch.device) -> tuple[torch.Tensor, torch
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def top_ops(prof, steps: int, device: torch.device, n: int = 5) -> list[dict]:
-    """The ``n`` operators (CUDA: kernels) taking the most self time on the device (CPU: on the
-    host) under ``prof``: name, milliseconds per step, share of all self time."""
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, key, 0) > 0]
+def top_ops(events, steps: int, device: torch.device, n: int = 5) -> list[dict]:
+    """The ``n`` entries of ``events`` (``prof.key_averages()``) taking the most self time: on CUDA
+    the kernels by device time (host operators are left out: each also carries the device time of
+    the kernels it launched), elsewhere the operators by host time. Each: name, milliseconds per
+    step, share of all self time of its kind."""
+    from torch.autograd import DeviceType
+    if device.type == "cuda":
+        key, events = "self_device_time_total", [e for e in events if e.device_type != DeviceType.CPU]
+    else:
+        key = "self_cpu_time_total"
+    events = sorted((e for e in events if getattr(e, key, 0) > 0), key=lambda e: getattr(e, key), reverse=True)
     total = sum(getattr(e, key) for e in events) or 1.0
-    events.sort(key=lambda e: getattr(e, key), reverse=True)
     return [{"name": e.key[:200], "ms_per_step": getattr(e, key) / 1e3 / steps, "share": getattr(e, key) / total}
             for e in events[:n]]
 
@@ -125,7 +130,7 @@ def _profile(stepper, batch, device: torch.device, steps: int) -> list[dict]:
         for _ in range(steps):
             stepper.step(*batch)
         _sync(device)
-    return top_ops(prof, steps, device)
+    return top_ops(prof.key_averages(), steps, device)
 
 
 def _timed_steps(stepper, batch, device: torch.device, opts: Options) -> dict:
