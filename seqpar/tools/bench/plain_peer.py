@@ -85,14 +85,14 @@ class UserGPT(nn.Module):
             raise ValueError(f"the plain peer recomputes {PLAIN_RECOMPUTE} (what a user writes with "
                              f"torch.utils.checkpoint), got recompute={recompute!r}")
         dt, h = getattr(torch, shape.dtype), shape.hidden
-        self.wte = nn.Embedding(shape.vocab_size, h, dtype=dt)
-        self.wpe = nn.Embedding(shape.seq_len, h, dtype=dt)
-        self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(shape, dropout, dt) for _ in range(shape.layers))
-        self.ln_f = LayerNorm(h, dt)
+        with torch.device(device):  # built and initialised where it runs
+            self.wte = nn.Embedding(shape.vocab_size, h, dtype=dt)
+            self.wpe = nn.Embedding(shape.seq_len, h, dtype=dt)
+            self.drop = nn.Dropout(dropout)
+            self.blocks = nn.ModuleList(Block(shape, dropout, dt) for _ in range(shape.layers))
+            self.ln_f = LayerNorm(h, dt)
+            self.apply(_init_weights)
         self.recompute = recompute
-        self.apply(_init_weights)
-        self.to(device)
 
     def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         s = tokens.shape[1]
