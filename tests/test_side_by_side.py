@@ -154,3 +154,20 @@ def test_top_ops_on_cuda_counts_kernels_not_the_host_operators_that_launch_them(
     assert [(o["name"], o["ms_per_step"], o["share"]) for o in cuda] == [("sm90_gemm", 0.45, 0.75),
                                                                           ("flash_fwd", 0.15, 0.25)]
     assert [o["name"] for o in top_ops(events, 1, torch.device("cpu"))] == ["aten::mm"]
+
+
+def test_an_interrupted_run_keeps_its_rows_and_marks_the_rest_stopped(tmp_path, monkeypatch):
+    from seqpar.tools.bench import side_by_side
+    measured = []
+
+    def fake_cell(cell, shape_name, device, opts):
+        if measured:
+            raise KeyboardInterrupt
+        measured.append(cell)
+        return side_by_side._cell_fields(cell, shape_name) | {"status": "ok", "step_s": 1.0, "tokens_per_s": 128.0}
+
+    monkeypatch.setattr(side_by_side, "run_cell", fake_cell)
+    out = tmp_path / "rows.jsonl"
+    rows = run(grid()[:3], "tiny", out, torch.device("cpu"), Options(), log=lambda line: None)
+    assert [r["status"] for r in rows] == ["ok", "stopped", "stopped"] and read_rows(out) == rows
+    assert "The run was interrupted: 2 cells were not measured" in sbs_table.markdown(rows)

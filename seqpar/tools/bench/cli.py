@@ -1,7 +1,8 @@
 """``seqpar bench``: seqpar vs Megatron-LM core vs PyTorch DTensor TP, measured in one run.
 
-    seqpar bench [--systems seqpar,seqpar-overlap,seqpar-compiled,megatron-core,dtensor,plain] [--recompute none,selective,full]
-                 [--tp 2] [--seq 256 --hidden 256 --heads 8 --layers 2 --micro-batch 2 --vocab 1024]
+    seqpar bench [--systems seqpar,seqpar-overlap,seqpar-compiled,megatron-core,dtensor,plain]
+                 [--recompute none,selective,full] [--tp 2]
+                 [--seq 256 --hidden 256 --heads 8 --layers 2 --micro-batch 2 --vocab 1024]
                  [--repeats 10 --warmup 2] [--scaling] [--out bench-results]
     seqpar bench --moe [--seq 256 --hidden 256 --micro-batch 2]
 

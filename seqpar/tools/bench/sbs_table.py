@@ -70,11 +70,15 @@ def markdown(rows: list[dict], command: str = "") -> str:
     peak = next((r.get("peak_flops") for r in ok if r.get("peak_flops")), None)
     peak_text = f"{peak / 1e12:g} TFLOP/s for {device}" if peak else f"unknown for {device}: MFU and HFU not shown"
     budget = [r for r in rows if r["status"] == "budget"]
-    head = [f"Shape {rows[0]['shape'] if rows else '?'} on {device}; {len(ok)} of {len(rows)} cells measured."]
+    version = next((f", torch {r['torch']}" for r in rows if r.get("torch")), "")
+    head = [f"Shape {rows[0]['shape'] if rows else '?'} on {device}{version}; {len(ok)} of {len(rows)} cells measured."]
     if command:
         head.append(f"Command: `{command}`")
     if budget:
         head.append(f"The time budget was spent: {len(budget)} cells were not started (rows marked budget).")
+    stopped = [r for r in rows if r["status"] == "stopped"]
+    if stopped:
+        head.append(f"The run was interrupted: {len(stopped)} cells were not measured (rows marked stopped).")
     head.append(FLOPS_NOTE.format(peak=peak_text))
     head.append("vs plain: tokens/s over the plain PyTorch peer's at the same compile setting with recompute none.")
     return "\n\n".join(head + [cells_table(rows), ops_table(rows)]) + "\n"

@@ -204,8 +204,7 @@ def _clean(device: torch.device) -> None:
 def run_cell(cell: Cell, shape_name: str, device: torch.device, opts: Options) -> dict:
     """One row: ``status`` ok (the measurements), skipped (``reason``) or error (``error``)."""
     shape, dropout = SHAPES[shape_name]
-    row = {"cell": cell.name, "system": cell.system, "compiled": cell.compiled, "attention": cell.attention,
-           "recompute": cell.recompute, "shape": shape_name, "device": _device_name(device)}
+    row = _cell_fields(cell, shape_name) | {"device": _device_name(device), "torch": torch.__version__}
     try:
         row |= {"status": "ok"} | measure(cell, shape, dropout, device, opts)
     except SkipCell as e:
@@ -221,27 +220,41 @@ def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def _cell_fields(cell: Cell, shape_name: str) -> dict:
+    return {"cell": cell.name, "system": cell.system, "compiled": cell.compiled, "attention": cell.attention,
+            "recompute": cell.recompute, "shape": shape_name}
+
+
+def _append(out: Path, row: dict) -> None:
+    with out.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
 def run(cells: list[Cell], shape_name: str, out: Path, device: torch.device, opts: Options,
         log: Callable[[str], None] = print) -> list[dict]:
     """Run ``cells`` in order, appending each row to ``out`` (JSON lines, truncated first) as it
-    finishes; once ``opts.time_budget_s`` is spent the cells not started (the first always starts)
-    are rows with status ``budget``."""
+    finishes. Once ``opts.time_budget_s`` is spent the cells not started (the first always starts)
+    are rows with status ``budget``; after Ctrl-C (SIGINT) the cell running and those not started
+    are rows with status ``stopped``, and the rows come back for the table."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("")
     rows, start = [], time.perf_counter()
-    for i, cell in enumerate(cells):
-        spent = time.perf_counter() - start
-        if i and opts.time_budget_s is not None and spent > opts.time_budget_s:
-            row = {"cell": cell.name, "system": cell.system, "compiled": cell.compiled, "attention": cell.attention,
-                   "recompute": cell.recompute, "shape": shape_name, "status": "budget",
-                   "reason": f"not started: the time budget of {opts.time_budget_s:g} s was spent ({spent:.0f} s)"}
-        else:
-            row = run_cell(cell, shape_name, device, opts)
-            row["elapsed_s"] = time.perf_counter() - start
-        with out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        rows.append(row)
-        log(f"[{i + 1}/{len(cells)}] {cell.name}: {_summary(row)}")
+    try:
+        for i, cell in enumerate(cells):
+            spent = time.perf_counter() - start
+            if i and opts.time_budget_s is not None and spent > opts.time_budget_s:
+                row = _cell_fields(cell, shape_name) | {"status": "budget", "reason": f"not started: the time "
+                                                        f"budget of {opts.time_budget_s:g} s was spent ({spent:.0f} s)"}
+            else:
+                row = run_cell(cell, shape_name, device, opts) | {"elapsed_s": time.perf_counter() - start}
+            _append(out, row)
+            rows.append(row)
+            log(f"[{i + 1}/{len(cells)}] {cell.name}: {_summary(row)}")
+    except KeyboardInterrupt:
+        log(f"interrupted: {len(cells) - len(rows)} cells not measured")
+        for cell in cells[len(rows):]:
+            rows.append(_cell_fields(cell, shape_name) | {"status": "stopped", "reason": "the run was interrupted"})
+            _append(out, rows[-1])
     return rows
 
 
