@@ -171,3 +171,15 @@ def test_an_interrupted_run_keeps_its_rows_and_marks_the_rest_stopped(tmp_path, 
     rows = run(grid()[:3], "tiny", out, torch.device("cpu"), Options(), log=lambda line: None)
     assert [r["status"] for r in rows] == ["ok", "stopped", "stopped"] and read_rows(out) == rows
     assert "The run was interrupted: 2 cells were not measured" in sbs_table.markdown(rows)
+
+
+def test_the_trainer_cell_leaves_the_thread_count_as_it_found_it(tmp_path):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        rows = run([Cell("trainer", False, "math", "none")], "tiny", tmp_path / "t.jsonl", torch.device("cpu"),
+                   Options(steps=1, warmup=1, profile_steps=0), log=lambda line: None)
+        assert rows[0]["status"] == "ok", rows[0]
+        assert torch.get_num_threads() == 2  # the Trainer set train.threads_per_rank=1 while it ran
+    finally:
+        torch.set_num_threads(before)

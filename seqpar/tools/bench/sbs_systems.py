@@ -169,6 +169,27 @@ def _one_rank_world(device: torch.device) -> Callable[[], None] | None:
     return end
 
 
+def trainer_overrides(cell, shape: BenchShape, dropout: float, folder: Path) -> list[str]:
+    """The Trainer's ``key=value`` overrides for ``cell``: the shape, one micro-batch per step, the
+    paper's bf16 recipe, nothing logged, evaluated or saved, random token ids from ``folder``."""
+    mode, ops = split_recompute(cell.recompute)
+    tokens = np.random.default_rng(0).integers(0, shape.vocab_size,
+                                               size=max(200_000, 100 * shape.micro_batch * (shape.seq_len + 1)))
+    np.save(folder / "tokens.npy", tokens.astype(np.uint16 if shape.vocab_size <= 2**16 else np.int32))
+    over = {"model.vocab_size": shape.vocab_size, "model.seq_len": shape.seq_len, "model.hidden": shape.hidden,
+            "model.heads": shape.heads, "model.layers": shape.layers, "model.dropout": dropout,
+            "model.attention_dropout": dropout, "model.sequence_parallel": "false", "model.recompute": mode,
+            "model.attention": cell.attention, "train.precision": "bf16", "train.compile": str(cell.compiled).lower(),
+            "train.micro_batch": shape.micro_batch, "train.global_batch": shape.micro_batch,
+            "train.steps": 100_000, "train.log_interval": 100_000, "train.eval_interval": 0,
+            "checkpoint.interval": 0, "checkpoint.resume": "never", "data.source": str(folder / "tokens.npy"),
+            "data.cache_dir": str(folder / "cache"), "checkpoint.dir": str(folder / "ckpt"),
+            "out_dir": str(folder / "out")}
+    if ops:
+        over["model.recompute_ops"] = "[" + ",".join(ops) + "]"
+    return [f"{k}={v}" for k, v in over.items()]
+
+
 class TrainerStepper:
     """The Trainer on one device, ``train.precision=bf16``: each call is ``train_step`` of the next
     step; its loss stays on the device (None) where the Trainer does not read it."""
@@ -176,24 +197,16 @@ class TrainerStepper:
     def __init__(self, cell, shape: BenchShape, dropout: float, device: torch.device, backend: str):
         from ...config import load_run_config
         from ...train import Trainer
-        mode, ops = split_recompute(cell.recompute)
         model_config(shape, recompute=cell.recompute)  # SkipCell when the ops are not in this build
         self._tmp = tempfile.TemporaryDirectory(prefix="seqpar-sbs-trainer-")
-        tmp = Path(self._tmp.name)
-        tokens = np.random.default_rng(0).integers(0, shape.vocab_size, size=max(200_000, 40 * shape.seq_len))
-        np.save(tmp / "tokens.npy", tokens.astype(np.uint16 if shape.vocab_size <= 2**16 else np.int32))
-        over = {"model.vocab_size": shape.vocab_size, "model.seq_len": shape.seq_len, "model.hidden": shape.hidden,
-                "model.heads": shape.heads, "model.layers": shape.layers, "model.dropout": dropout,
-                "model.attention_dropout": dropout, "model.sequence_parallel": False, "model.recompute": mode,
-                "model.attention": cell.attention, "train.precision": "bf16", "train.compile": cell.compiled,
-                "train.micro_batch": shape.micro_batch, "train.global_batch": shape.micro_batch,
-                "train.steps": 100_000, "train.log_interval": 100_000, "train.eval_interval": 0,
-                "checkpoint.interval": 0, "checkpoint.resume": "never", "data.source": str(tmp / "tokens.npy"),
-                "data.cache_dir": str(tmp / "cache"), "checkpoint.dir": str(tmp / "ckpt"), "out_dir": str(tmp / "out")}
-        if ops:
-            over["model.recompute_ops"] = "[" + ",".join(ops) + "]"
-        self.trainer = Trainer(load_run_config(None, [f"{k}={v}" for k, v in over.items()]),
-                               mesh=ParallelMesh.single(device))
+        self._threads = torch.get_num_threads()  # the Trainer sets train.threads_per_rank on the CPU
+        try:
+            cfg = load_run_config(None, trainer_overrides(cell, shape, dropout, Path(self._tmp.name)))
+            self.trainer = Trainer(cfg, mesh=ParallelMesh.single(device))
+        except BaseException:
+            torch.set_num_threads(self._threads)
+            self._tmp.cleanup()
+            raise
         self.trainer.logger.enabled = False
         self._step = 0
 
@@ -204,6 +217,7 @@ class TrainerStepper:
     def close(self) -> None:
         self.trainer.close()
         self._tmp.cleanup()
+        torch.set_num_threads(self._threads)  # the next cells run as the ones before
 
 
 BUILDERS: dict[str, Callable[..., Stepper]] = {"seqpar": SeqparStepper, "trainer": TrainerStepper,
