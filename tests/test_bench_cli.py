@@ -28,3 +28,23 @@ def test_bench_rejects_unknown_systems(capsys):
     except SystemExit as e:
         assert e.code == 2
     assert "deepspeed" in capsys.readouterr().err
+
+
+def test_bench_runs_the_plain_peer_at_t1_with_seqpars_step0_loss(tmp_path, capsys):
+    from seqpar.tools.bench.cli import main
+    out = tmp_path / "bench"
+    rc = main(["--systems", "seqpar,plain", "--tp", "1", "--recompute", "none,full", "--seq", "16", "--hidden", "32",
+               "--heads", "4", "--vocab", "64", "--layers", "2", "--repeats", "1", "--warmup", "0", "--out", str(out)])
+    assert rc == 0 and "| plain | full |" in capsys.readouterr().out
+    res = {(r["system"], r["recompute"]): r for r in json.loads((out / "results.json").read_text())["results"]}
+    assert abs(res["plain", "none"]["step0_loss"] - res["seqpar", "none"]["step0_loss"]) < 1e-5
+    assert res["plain", "full"]["saved_bytes_per_layer"] < res["plain", "none"]["saved_bytes_per_layer"]
+
+
+def test_bench_refuses_the_plain_peer_on_two_ranks(capsys):
+    from seqpar.tools.bench.cli import main
+    try:
+        main(["--systems", "seqpar,plain"])
+    except SystemExit as e:
+        assert e.code == 2
+    assert "the plain peer runs on one device" in capsys.readouterr().err

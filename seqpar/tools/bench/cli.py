@@ -1,7 +1,8 @@
 """``seqpar bench``: seqpar vs Megatron-LM core vs PyTorch DTensor TP, measured in one run.
 
-    seqpar bench [--systems seqpar,seqpar-overlap,seqpar-compiled,megatron-core,dtensor] [--recompute none,selective,full]
-                 [--tp 2] [--seq 256 --hidden 256 --heads 8 --layers 2 --micro-batch 2 --vocab 1024]
+    seqpar bench [--systems seqpar,seqpar-overlap,seqpar-compiled,megatron-core,dtensor,plain]
+                 [--recompute none,selective,full] [--tp 2]
+                 [--seq 256 --hidden 256 --heads 8 --layers 2 --micro-batch 2 --vocab 1024]
                  [--repeats 10 --warmup 2] [--scaling] [--out bench-results]
     seqpar bench --moe [--seq 256 --hidden 256 --micro-batch 2]
 
@@ -52,6 +53,9 @@ def _parse(argv):
     bad = [s for s in args.systems if s not in PEERS] + [r for r in args.recompute if r not in RECOMPUTE_MODES]
     if bad or "seqpar" not in args.systems:
         p.error(f"unknown systems/recompute modes {bad}; systems are {sorted(PEERS)} (seqpar must be included)")
+    if "plain" in args.systems and (args.tp != 1 or set(args.recompute) - {"none", "full"}):
+        p.error(f"the plain peer runs on one device with recompute none or full: use --tp 1 --recompute none,full "
+                f"(got --tp {args.tp} --recompute {','.join(args.recompute)})")
     return args
 
 

@@ -138,7 +138,7 @@ _RECOMPUTE = {"none": {}, "selective": {"recompute_granularity": "selective"},  
 
 
 def megatron_config(shape: BenchShape, tp_size: int, recompute: Recompute, sequence_parallel: bool):
-    """The ``TransformerConfig`` of seqpar's GPT: GeLU, biases, LayerNorm eps 1e-5, dropout 0,
+    """The ``TransformerConfig`` of seqpar's GPT: GeLU, biases, LayerNorm eps 1e-5, ``shape.dropout``,
     fused kernels off (CUDA-only), no initialisation (weights are loaded afterwards)."""
     from megatron.core.transformer import TransformerConfig
 
@@ -148,7 +148,7 @@ def megatron_config(shape: BenchShape, tp_size: int, recompute: Recompute, seque
         return TransformerConfig(
             num_layers=shape.layers, hidden_size=shape.hidden, num_attention_heads=shape.heads,
             ffn_hidden_size=shape.ffn_hidden, tensor_model_parallel_size=tp_size, sequence_parallel=sequence_parallel,
-            hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=True, activation_func=F.gelu,
+            hidden_dropout=shape.dropout, attention_dropout=shape.dropout, add_bias_linear=True, activation_func=F.gelu,
             normalization="LayerNorm", layernorm_epsilon=1e-5, params_dtype=dtype,
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16,
             use_cpu_initialization=True, perform_initialization=False,

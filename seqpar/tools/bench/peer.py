@@ -21,6 +21,7 @@ class BenchShape:
     layers: int = 2
     micro_batch: int = 2
     dtype: str = "float32"     # parameter dtype of every system (CPU benches run fp32)
+    dropout: float = 0.0       # every dropout (embedding, attention probabilities, residual) of every system
 
     @property
     def ffn_hidden(self) -> int:

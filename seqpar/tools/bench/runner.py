@@ -29,6 +29,7 @@ PEERS = {
     "seqpar-compiled": "seqpar.tools.bench.seqpar_peer:CompiledPeer",
     "megatron-core": "seqpar.tools.bench.megatron_peer:MegatronPeer",
     "dtensor": "seqpar.tools.bench.dtensor_peer:DTensorPeer",
+    "plain": "seqpar.tools.bench.plain_peer:PlainPeer",  # one device: --tp 1, recompute none / full
 }
 
 

@@ -11,10 +11,10 @@ from .peer import BenchShape, Recompute
 
 
 def gpt_config(shape: BenchShape, recompute: Recompute, sequence_parallel: bool = True) -> GPTConfig:
-    """The benchmark shape as a seqpar GPTConfig (dropout 0, math attention, tied embeddings)."""
+    """The benchmark shape as a seqpar GPTConfig (``shape.dropout``, math attention, tied embeddings)."""
     return GPTConfig(vocab_size=shape.vocab_size, seq_len=shape.seq_len, hidden=shape.hidden, heads=shape.heads,
-                     layers=shape.layers, dropout=0.0, attention_dropout=0.0, sequence_parallel=sequence_parallel,
-                     recompute=recompute, dtype=shape.dtype, attention="math")
+                     layers=shape.layers, dropout=shape.dropout, attention_dropout=shape.dropout,
+                     sequence_parallel=sequence_parallel, recompute=recompute, dtype=shape.dtype, attention="math")
 
 
 class SeqparPeer:
