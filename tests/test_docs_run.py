@@ -33,12 +33,13 @@ NOT_RUN = [
     (r"python -c .import torch; print\(torch\.cuda", "reports CUDA devices: GPU machines only"),
     (r"torchrun --standalone --nproc-per-node 8 -m seqpar\.train gpt-1\.3b", "8 GPUs"),
     (r"torchrun --nnodes", "a multi-node cluster job"),
-    (r"seqpar train .*--dry-run", "a 64-512 GPU job's rank built on fake tensors takes minutes on 2 cores; "
+    (r"seqpar train .*--dry-run", "a 64-1,024 GPU job's rank built on fake tensors takes minutes on 2 cores; "
                                   "tests/test_dry_run*.py run the same path on small worlds"),
     (r"seqpar plan .*--verify", "dry-runs a 64 GPU layout (minutes); tests/test_plan_verify.py"),
     (r"python scripts/dry_run_paper\.py", "four paper-size dry runs (minutes); tests/test_dry_run.py"),
     (r"seqpar bench|python scripts/bench|python scripts/bench_layers\.py",
-     "a benchmark prints timings of minutes (docs/benchmarks.md); tests/test_bench_cli.py runs it tiny"),
+     "a benchmark prints timings of minutes (docs/benchmarks.md); tests/test_bench_cli.py and "
+     "tests/test_side_by_side.py run them tiny"),
     (r"torchrun --nproc-per-node 2 (examples|scripts)/",
      "tests/test_dropin_examples.py runs the examples and the demo at t=2 as shipped"),
     (r"seqpar train CONFIG\.yaml|torchrun --nproc-per-node N", "the usage line, placeholders in capitals"),
