@@ -29,6 +29,7 @@ import torch
 
 from ... import flops
 from ...errors import UserError
+from ...model.modes import RECOMPUTE_MODES
 from .peer import BenchShape
 from .sbs_systems import SkipCell, build, model_config, split_recompute
 
@@ -68,7 +69,7 @@ def grid() -> list[Cell]:
              for r in ("none", "selective", OPS_RECOMPUTE, "full")]
     cells += [Cell("trainer", c, "sdpa", "selective") for c in (False, True)]
     cells += [Cell("plain", c, "sdpa", r) for c in (False, True) for r in ("none", "full")]
-    cells += [Cell("megatron-core", False, "math", r) for r in ("none", "selective", "full")]
+    cells += [Cell("megatron-core", False, "math", r) for r in RECOMPUTE_MODES]
     return cells
 
 
