@@ -299,3 +299,19 @@ def test_the_dry_run_measures_the_choices_as_the_planner_counts_them():
         acts[ops] = next((m, p) for part, m, p in check.rows if part == "activations")
         assert abs(acts[ops][0] / acts[ops][1] - 1) < 0.01, (ops, acts[ops])
     assert acts["[norm,activation,dropout]"][0] < 0.75 * acts["[]"][0]
+
+
+def test_seqpar_plan_searches_the_choices_it_is_given(capsys):
+    """`seqpar plan --recompute-ops` ranks mixes whose none / selective layers add the choices, and
+    the best layout's `seqpar train` line carries them; an unknown choice is one line, exit 2."""
+    from seqpar import cli
+    args = ["plan", "paper/175b", "--gpus", "64", "--gpu", "a100-80gb", "--space", "paper", "--top", "3"]
+    assert cli.main(args + ["--recompute-ops", "activation"]) == 0
+    out = capsys.readouterr().out
+    best = next(line for line in out.splitlines() if line.startswith("best:"))
+    assert "+activation" in best, out
+    assert "model.recompute_ops=[activation]" in out, out
+    assert cli.main(args + ["--recompute-ops", "norm,gelu"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == "seqpar plan: --recompute-ops has unknown value(s) ['gelu']; choose from " \
+                          "['norm', 'activation', 'dropout']", err

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..memory.formulas import load_sections
 from ..model.modes import RECOMPUTE_MODES
+from ..model.recompute_ops import check_recompute_ops
 from .gpus import GIB, GPU, GPUS, custom_gpu, get_gpu
 from .layout import Layout, Recompute, parse_layout
 from .memory import HEADROOM
@@ -59,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--space", choices=("all", "paper"), default="all",
                    help="paper: the paper's choices only (t=8, uniform recompute, no FSDP)")
     p.add_argument("--mixes", action="store_true", help="also rank per-layer recompute mixes")
+    p.add_argument("--recompute-ops", metavar="OPS", default="",
+                   help="comma-separated model.recompute_ops choices (norm, activation, dropout) the per-layer "
+                        "mixes may add to their none / selective layers; implies --mixes")
     for flag, help_ in (("--peak-tflops", "custom: dense bf16 TFLOP/s"), ("--hbm-gib", "custom: memory, GiB"),
                         ("--nvlink-gbps", "custom: intra-node GB/s per direction"),
                         ("--ib-gbps", "custom: inter-node GB/s per direction"),
@@ -124,8 +128,13 @@ def _mix_note(problem: Problem, best: Candidate) -> str | None:
 def _print_search(args, problem: Problem, sections: dict, name: str) -> list[str]:
     """Print the search; returns the ``seqpar train`` overrides of the best layout."""
     space = PAPER_SPACE if args.space == "paper" else SearchSpace()
-    if args.mixes:
-        space = replace(space, recompute=(*space.recompute, "mixed"))
+    try:
+        ops = check_recompute_ops(tuple(o.strip() for o in args.recompute_ops.split(",") if o.strip()),
+                                  "--recompute-ops")
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    if args.mixes or ops:
+        space = replace(space, recompute=(*space.recompute, "mixed"), recompute_ops=ops)
     start = time.perf_counter()
     result = search(problem, space, k=args.top)
     print(f"## {name} on {problem.gpus} x {problem.gpu.name}: global batch {problem.global_batch}, "
