@@ -315,3 +315,23 @@ def test_seqpar_plan_searches_the_choices_it_is_given(capsys):
     err = capsys.readouterr().err
     assert err.strip() == "seqpar plan: --recompute-ops has unknown value(s) ['gelu']; choose from " \
                           "['norm', 'activation', 'dropout']", err
+
+
+def test_the_run_header_and_seqpar_memory_name_the_choices(tmp_path, capsys):
+    """The first log line says which choices run (before: only `recompute=selective`), and `seqpar
+    memory` adds Table 2's last row with them (before: the config's choices were not shown)."""
+    import numpy as np
+
+    from seqpar import cli
+    np.save(tmp_path / "tokens.npy", np.random.default_rng(0).integers(0, 128, 4000).astype(np.uint16))
+    args = ["train", "model.vocab_size=128", "model.seq_len=32", "model.hidden=32", "model.heads=4", "model.layers=2",
+            "train.micro_batch=4", "train.steps=1", "train.eval_interval=0", "checkpoint.interval=0",
+            "model.recompute_ops=[norm,activation]", f"data.source={tmp_path / 'tokens.npy'}",
+            f"checkpoint.dir={tmp_path / 'ckpt'}", f"out_dir={tmp_path / 'out'}"]
+    assert cli.main(args) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "recompute=selective+norm+activation;" in header, header
+    assert cli.main(["memory", "paper/175b", "model.recompute_ops=[norm,activation,dropout]"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("with model.recompute_ops [norm, activation, dropout]: TP + SP + selective keeps "
+                           "60.00 MiB per layer (20 sbh/t, 58.8% of the row above)"), line

@@ -98,6 +98,17 @@ def table(shape: ModelShape, measured: dict[str, int] | None = None, expected: d
     return "\n".join(lines)
 
 
+def recompute_ops_line(shape: ModelShape, ops: tuple[str, ...]) -> str:
+    """Table 2's last row with the config's ``model.recompute_ops`` rebuilt in backward too
+    (docs/memory.md, "Op-level recompute choices")."""
+    dims = shape.layer_dims
+    plain, with_ops = (bytes_per_layer("tp_sp_selective", **dims, recompute_ops=o) for o in ((), ops))
+    per_gpu = with_ops * shape.L * interleave_factor(shape.p, shape.m)
+    coefficient = with_ops * shape.t / (shape.s * shape.b * shape.h)  # 16-bit activations: bytes / (sbh/t)
+    return (f"with model.recompute_ops [{', '.join(ops)}]: TP + SP + selective keeps {human(with_ops)} per layer "
+            f"({float(coefficient):.4g} sbh/t, {float(with_ops / plain):.1%} of the row above), {human(per_gpu)} per GPU")
+
+
 def plot(shapes: Sequence[ModelShape], path: str | Path) -> None:
     """Figure 7: per model, one bar per technique as a percentage of the TP baseline."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -260,6 +271,8 @@ def main(argv: list[str]) -> int:
         kernel = attention_kernel(row_config(e.model, "tp"), "cpu")
         expected = measured_formula(e.model, e.shape) if measured is not None else None
         print(table(e.shape, measured, expected, kernel) + "\n", flush=True)
+        if e.model.recompute_ops:
+            print(recompute_ops_line(e.shape, tuple(e.model.recompute_ops)) + "\n", flush=True)
         if args.measure and e.shape.p > 1 and not _print_first_stage(e):
             return 1
         if args.cp is not None:

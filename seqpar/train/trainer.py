@@ -117,7 +117,8 @@ class Trainer:
         run, cfg = self.run, self.run.cfg
         mc, tc = cfg.model, cfg.train
         self.logger.print(f"seqpar: {self.mesh}; model {mc.layers}L h={mc.hidden} a={mc.heads} s={mc.seq_len} "
-                          f"v={mc.vocab_size}; sequence_parallel={mc.sequence_parallel} recompute={mc.recompute}; "
+                          f"v={mc.vocab_size}; sequence_parallel={mc.sequence_parallel} recompute={mc.recompute}"
+                          f"{''.join('+' + op for op in mc.recompute_ops)}; "
                           f"micro_batch={tc.micro_batch} x accumulation {run.accum} x dp {run.dp}")
         for note in (self.run.recompute_note, self.run.batch_note):
             if note:
