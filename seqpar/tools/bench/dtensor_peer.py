@@ -26,7 +26,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 
 from ...memory import ActivationLedger
 from ...model.modes import RECOMPUTE_MODES
-from .peer import BenchShape, Recompute
+from .peer import BenchShape, Recompute, copy_dense
 
 
 # ---------------------------------------------------------------------------------------- model
@@ -113,15 +113,7 @@ class PlainGPT(nn.Module):
                     mine[name.replace(".qkv.", f".{part}.")] = chunk
             else:
                 mine[name] = w
-        own = dict(self.named_parameters())           # lm_head.weight is wte.weight (tied)
-        missing, unexpected = sorted(set(own) - set(mine)), sorted(set(mine) - set(own))
-        if missing or unexpected:
-            raise ValueError(f"dense state dict mismatch: missing {missing}, unexpected {unexpected}")
-        with torch.no_grad():
-            for name, p in own.items():
-                if p.shape != mine[name].shape:
-                    raise ValueError(f"{name}: dense shape {tuple(mine[name].shape)} != {tuple(p.shape)}")
-                p.copy_(mine[name])
+        copy_dense(self, mine)  # lm_head.weight is wte.weight (tied): named once
 
 
 # -------------------------------------------------------------------------------- TP plans

@@ -28,6 +28,20 @@ class BenchShape:
         return 4 * self.hidden
 
 
+def copy_dense(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` into ``module``'s parameters, name for name and shape for shape: a
+    ``ValueError`` names every missing or unexpected name, or the first shape that differs."""
+    own = dict(module.named_parameters())  # a tied parameter appears once, under its first name
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"dense state dict mismatch: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, p in own.items():
+            if p.shape != state[name].shape:
+                raise ValueError(f"{name}: dense shape {tuple(state[name].shape)} != {tuple(p.shape)}")
+            p.copy_(state[name])
+
+
 class Peer(Protocol):
     name: str
 

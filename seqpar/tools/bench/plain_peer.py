@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from .peer import BenchShape
+from .peer import BenchShape, copy_dense
 
 PLAIN_RECOMPUTE = ("none", "full")  # a user's choices: keep everything, or checkpoint each block
 
@@ -110,15 +110,7 @@ class UserGPT(nn.Module):
     def load_dense(self, state: dict[str, torch.Tensor]) -> None:
         """Copy seqpar's dense state dict (``GPT.dense_state_dict``: ``blocks.{i}.attn.qkv`` rows
         ``[q; k; v]``, as here) into this model; its names are this model's names."""
-        own = dict(self.named_parameters())
-        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
-        if missing or unexpected:
-            raise ValueError(f"dense state dict mismatch: missing {missing}, unexpected {unexpected}")
-        with torch.no_grad():
-            for name, p in own.items():
-                if p.shape != state[name].shape:
-                    raise ValueError(f"{name}: dense shape {tuple(state[name].shape)} != {tuple(p.shape)}")
-                p.copy_(state[name])
+        copy_dense(self, state)
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -51,23 +51,13 @@ def split_recompute(recompute: str) -> tuple[str, tuple[str, ...]]:
     return mode, tuple(ops)
 
 
-def has_recompute_ops() -> bool:
-    """Whether this seqpar's GPTConfig has ``recompute_ops`` (the fused-attention recompute choices)."""
-    return any(f.name == "recompute_ops" for f in dataclasses.fields(GPTConfig))
-
-
 def model_config(shape: BenchShape, *, attention: str = "math", recompute: str = "none",
                  dropout: float = 0.0) -> GPTConfig:
     """The cell's GPTConfig at ``t = 1`` (also what every system's FLOPs are counted from)."""
     mode, ops = split_recompute(recompute)
-    extra = {}
-    if ops:
-        if not has_recompute_ops():
-            raise SkipCell(f"recompute {recompute!r} needs model.recompute_ops, which this seqpar does not have")
-        extra["recompute_ops"] = ops
     return GPTConfig(vocab_size=shape.vocab_size, seq_len=shape.seq_len, hidden=shape.hidden, heads=shape.heads,
                      layers=shape.layers, dropout=dropout, attention_dropout=dropout, sequence_parallel=False,
-                     recompute=mode, attention=attention, dtype=shape.dtype, **extra)
+                     recompute=mode, attention=attention, dtype=shape.dtype, recompute_ops=ops)
 
 
 class _Closing:
@@ -197,7 +187,6 @@ class TrainerStepper:
     def __init__(self, cell, shape: BenchShape, dropout: float, device: torch.device, backend: str):
         from ...config import load_run_config
         from ...train import Trainer
-        model_config(shape, recompute=cell.recompute)  # SkipCell when the ops are not in this build
         self._tmp = tempfile.TemporaryDirectory(prefix="seqpar-sbs-trainer-")
         self._threads = torch.get_num_threads()  # the Trainer sets train.threads_per_rank on the CPU
         try:

@@ -3,7 +3,7 @@
 A cell is ``system/compile/attention/recompute`` (``seqpar/compiled/sdpa/selective``). The grid:
 
 * ``seqpar``: eager / compiled x attention math / sdpa x recompute none / selective /
-  ``selective+norm+activation+dropout`` (``model.recompute_ops``, where this seqpar has it) / full;
+  ``selective+norm+activation+dropout`` (``model.recompute_ops``) / full;
 * ``trainer``: the Trainer's step with fp32 master weights (eager and compiled, sdpa, selective);
 * ``plain``: a GPT as a user writes it (sdpa, recompute none / full, eager and compiled);
 * ``megatron-core``: its GPTModel, local spec (eager, its own math attention, none / selective / full).
