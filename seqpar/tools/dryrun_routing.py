@@ -15,6 +15,7 @@ and the dry run does not guess how many.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._pytree import tree_leaves
 
 from ..errors import UserError
@@ -39,10 +40,6 @@ def balanced_counts(assignments: int, bins: int) -> torch.Tensor:
     counts = torch.full((bins,), base, dtype=torch.int64)
     counts[:extra] += 1
     return counts
-
-
-def is_fake(x) -> bool:
-    return isinstance(x, torch.Tensor) and type(x) is not torch.Tensor
 
 
 def answer(func, args, kwargs) -> torch.Tensor | None:
