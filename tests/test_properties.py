@@ -156,8 +156,7 @@ def valid_values(draw) -> dict[str, Any]:
 
 
 def _keep_recompute_ops_meaningful(values: dict[str, Any]) -> None:
-    """model.recompute_ops needs a none / selective layer, no MoE, dropout for its "dropout", and (for
-    now) eager blocks: drop what another drawn field makes meaningless."""
+    """Drop recompute ops another drawn field makes meaningless (all full, MoE, compiled, no dropout)."""
     ops = values.get("model.recompute_ops")
     if not ops:
         return
