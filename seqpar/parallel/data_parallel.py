@@ -26,9 +26,9 @@ from ..distributed.grad_sync import sync_sp_replicated_grads
 from ..distributed.mesh import ParallelMesh
 from ..sharding import local_tensor
 from ..model.modes import DATA_PARALLEL_MODES
+from ..model.moe import moe_layers
 from .fsdp import apply_fsdp, set_micro_batch, sync_sharded_sp_grads
 from .grad_buckets import DEFAULT_BUCKET_MIB, GradBuckets
-from ..model.moe import moe_layers
 from .expert_grads import ExpertGrads, finish_moe_step
 from .grads import clip_grad_norm
 
