@@ -20,7 +20,7 @@ from typing import Literal
 from .errors import UserError
 from .model.config import GPTConfig
 from .model.modes import RECOMPUTE_MODES, RecomputeMode as Recompute
-from .recompute import full_recompute_plan
+from .recompute import checkpoint_runs
 
 
 def layer_forward_flops(*, B: int, s: int, h: int) -> int:
@@ -137,7 +137,7 @@ def layers_forward_flops(cfg: GPTConfig, *, B: int) -> int:
 def config_hardware_flops(cfg: GPTConfig, *, B: int, t: int = 1, recompute: Recompute | None = None) -> int:
     """FLOPs executed per iteration, recomputation included (``recompute`` defaults to
     ``cfg.recompute``, or its per-layer ``recompute_layers``): selective adds one forward of every
-    attention core, full one forward of every layer its plan checkpoints (``recompute_method`` /
+    attention core, full one forward of every layer its runs checkpoint (``recompute_method`` /
     ``recompute_num_layers``). This
     counts what runs, as ``FlopCounterMode`` does; :func:`hardware_flops` keeps Appendix A's
     accounting, which charges the selective recompute three core forwards."""
@@ -153,9 +153,9 @@ def config_hardware_flops(cfg: GPTConfig, *, B: int, t: int = 1, recompute: Reco
     if mode == "selective":
         return base + cfg.layers * core
     if mode == "full":
-        plan = full_recompute_plan(cfg.layers, cfg.recompute_method, cfg.recompute_num_layers)
+        runs = checkpoint_runs(cfg.layers, cfg.recompute_method, cfg.recompute_num_layers)
         return base + sum(config_layer_forward_flops(cfg, B=B, layer=i)
-                          for begin, end, ckpt in plan if ckpt for i in range(begin, end))
+                          for begin, end, ckpt in runs if ckpt for i in range(begin, end))
     raise ValueError(f"unknown recompute mode {mode!r}; expected one of {RECOMPUTE_MODES}")
 
 

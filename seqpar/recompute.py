@@ -6,7 +6,7 @@
   ``uniform`` checkpoints groups of N consecutive layers (a trailing group may be smaller);
   ``block`` checkpoints each of the first N layers and keeps the rest.
 * per layer (``model.recompute_layers``): each layer none / selective / full; every full layer is
-  its own checkpointed unit (:func:`layer_recompute_plan`).
+  its own checkpointed unit (:func:`per_layer_runs`).
 
 :func:`checkpoint` snapshots the CPU, CUDA and seqpar dropout-stream RNG states at forward time
 and replays them for the recomputation, so the recomputed dropout masks are the ones the
@@ -81,10 +81,10 @@ def checkpoint(run_fn: Callable, *args, streams: RNGStreams | None = None):
     return _Checkpoint.apply(run_fn, streams, *args)
 
 
-def run_plan(runs: Sequence[tuple[int, int, bool]], run_blocks: Callable, x: torch.Tensor,
+def run_layers(runs: Sequence[tuple[int, int, bool]], run_blocks: Callable, x: torch.Tensor,
              streams: RNGStreams | None = None) -> torch.Tensor:
-    """Run the layer runs ``(start, end, checkpointed)`` of a recompute plan (:func:`full_recompute_plan`,
-    :func:`layer_recompute_plan`) through ``run_blocks(x, start, end)``; a checkpointed run keeps only
+    """Run the layer runs ``(start, end, checkpointed)`` of a recompute setting (:func:`checkpoint_runs`,
+    :func:`per_layer_runs`) through ``run_blocks(x, start, end)``; a checkpointed run keeps only
     its input and replays ``streams`` when recomputed."""
     for begin, end, ckpt in runs:
         x = checkpoint(run_blocks, x, begin, end, streams=streams) if ckpt else run_blocks(x, begin, end)
@@ -187,7 +187,7 @@ def stream_sdpa(q: Tensor, k: Tensor, v: Tensor, p: float, streams: RNGStreams, 
     return out
 
 
-def full_recompute_plan(layers: int, method: RecomputeMethod, num_layers: int) -> list[tuple[int, int, bool]]:
+def checkpoint_runs(layers: int, method: RecomputeMethod, num_layers: int) -> list[tuple[int, int, bool]]:
     """Split ``range(layers)`` into runs ``(start, end, checkpointed)``.
 
     uniform, N=2, L=5 -> [(0,2,T), (2,4,T), (4,5,T)]; block, N=2, L=5 -> [(0,1,T), (1,2,T), (2,5,F)].
@@ -202,7 +202,7 @@ def full_recompute_plan(layers: int, method: RecomputeMethod, num_layers: int) -
     raise ValueError(f"recompute_method must be 'uniform' or 'block', got {method!r}")
 
 
-def layer_recompute_plan(modes: Sequence[str]) -> list[tuple[int, int, bool]]:
+def per_layer_runs(modes: Sequence[str]) -> list[tuple[int, int, bool]]:
     """Runs ``(start, end, checkpointed)`` of a per-layer list: each ``full`` layer a checkpointed
     run of its own, consecutive other layers one plain run.
 
@@ -219,7 +219,7 @@ def layer_recompute_plan(modes: Sequence[str]) -> list[tuple[int, int, bool]]:
     return runs
 
 
-def plan_recompute(mode: str | Sequence[str], layers: int, method: RecomputeMethod = "uniform",
+def recompute_runs(mode: str | Sequence[str], layers: int, method: RecomputeMethod = "uniform",
                    num_layers: int = 1) -> tuple[tuple[str, ...], list[tuple[int, int, bool]]]:
     """``(one mode per layer, runs)`` of a recompute setting for ``layers`` layers: a mode for every
     layer ("none", "selective", "full" in ``method`` groups of ``num_layers``), or a list of them
@@ -227,12 +227,12 @@ def plan_recompute(mode: str | Sequence[str], layers: int, method: RecomputeMeth
     if isinstance(mode, str):
         if mode not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
-        runs = full_recompute_plan(layers, method, num_layers) if mode == "full" else [(0, layers, False)]
+        runs = checkpoint_runs(layers, method, num_layers) if mode == "full" else [(0, layers, False)]
         return (mode,) * layers, runs
     modes = tuple(mode)
     if len(modes) != layers:
         raise ValueError(f"per-layer recompute needs one mode per layer: got {len(modes)} for {layers} layers")
-    return modes, layer_recompute_plan(modes)
+    return modes, per_layer_runs(modes)
 
 
 # ----------------------------------------------------------------------------- compiled blocks

@@ -65,9 +65,9 @@ def test_user_errors_are_decided_by_their_type():
     assert is_user_error(info.value)
     # a ValueError raised inside seqpar that is not about the input is a bug (before: any ValueError
     # whose innermost frame was seqpar's counted as bad input)
-    from seqpar.recompute import full_recompute_plan
+    from seqpar.recompute import checkpoint_runs
     with pytest.raises(ValueError) as info:
-        full_recompute_plan(2, "uniform", 0)
+        checkpoint_runs(2, "uniform", 0)
     assert not is_user_error(info.value)
     with pytest.raises(OSError) as info:
         open(Path(__file__).parent / "no-such-file")  # an OSError is internal unless wrapped at its boundary
@@ -78,9 +78,9 @@ def test_user_errors_are_decided_by_their_type():
 # inside seqpar (an internal invariant, not the input) from the point where the command calls it
 BROKEN = """
 import sys
-from seqpar.recompute import full_recompute_plan
+from seqpar.recompute import checkpoint_runs
 def broken(*args, **kwargs):
-    return full_recompute_plan(2, "uniform", 0)  # ValueError("recompute_num_layers must be >= 1, got 0")
+    return checkpoint_runs(2, "uniform", 0)  # ValueError("recompute_num_layers must be >= 1, got 0")
 import {module} as target
 target.{name} = broken
 from seqpar.cli import main

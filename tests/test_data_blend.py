@@ -9,7 +9,7 @@ from seqpar.config import load_run_config
 from seqpar.data import load_corpus
 from seqpar.data.blend import BlendBatches, mix_sources
 from seqpar.data.errors import DataError
-from seqpar.data.streams import data_streams
+from seqpar.data.feed import run_batches
 from seqpar.distributed.mesh import ParallelMesh
 from seqpar.train import Trainer
 
@@ -109,7 +109,7 @@ def test_a_run_blends_text_and_tokens_with_held_out_tails_per_source(tmp_path):
     corpus = load_corpus(cfg, print)
     assert corpus.weights == (0.6, 0.2, 0.2) and len(corpus.tokens) == sum(len(p.tokens) for p in corpus.parts)
     logs = []
-    batches, evals = data_streams(cfg, corpus, 0, 1, 1, logs.append)
+    batches, evals = run_batches(cfg, corpus, 0, 1, 1, logs.append)
     assert len(evals) == 3 and logs[0].startswith("data: blend over 2 steps x 2 sequences: ")
     assert f"{a} 75.0% (weight 60.0%)" in logs[0]  # 3 of the 4 sequences the run draws
     for part, (x, _) in zip(corpus.parts, evals):  # each source's held-out batch is cut from its own tail

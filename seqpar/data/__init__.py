@@ -11,14 +11,14 @@
     tokens.py     token sources read in place: shard folders, Megatron .bin/.idx
     batches.py    a step's batch cut from its global batch (dp- and micro-batch-invariant), eval batches
     blend.py      several sources mixed by weight (data.sources)
-    streams.py    a run's corpus, training streams, held-out batches and tokenizer attachment from its config
+    feed.py       a run's corpus, training batches, held-out batches and tokenizer attachment from its config
     errors.py     DataError / TokenizerError: bad input named with the file or key and the value
 """
 from .batches import Batch, TokenBatches, eval_batches
 from .cache import EOT
 from .corpus import Corpus, default_cache_dir, list_documents, open_corpus, prepare_corpus
-from .streams import data_streams, load_corpus, tokenizer_attachment
+from .feed import run_batches, load_corpus, tokenizer_attachment
 from .text import Document
 
-__all__ = ["EOT", "Batch", "Corpus", "Document", "TokenBatches", "data_streams", "default_cache_dir", "eval_batches",
+__all__ = ["EOT", "Batch", "Corpus", "Document", "TokenBatches", "run_batches", "default_cache_dir", "eval_batches",
            "list_documents", "load_corpus", "open_corpus", "prepare_corpus", "tokenizer_attachment"]

@@ -45,7 +45,7 @@ class TokenBatches:
     the ``accum`` micro-batches of this DP rank at each optimizer step (see the module docstring).
 
     Iterating yields one step's list of micro-batches after another; :meth:`state_dict` records the
-    next step, so resuming continues the same stream.
+    next step, so resuming continues the same sequence of batches.
     """
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, micro_batch: int, seed: int,

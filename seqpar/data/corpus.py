@@ -224,7 +224,7 @@ def _check_vocab(vocab_size: int) -> None:
 
 
 def _open_folder(folder: Path, meta: dict, vocab_size: int, given: bool = False) -> Corpus:
-    """A verified cache: ``tokens.bin`` memory-mapped, or its shards read as one stream."""
+    """A verified cache: ``tokens.bin`` memory-mapped, or its shards read as one sequence."""
     tok, dtype = Tokenizer.from_file(str(folder / "tokenizer.json")), np.dtype(meta["dtype"])
     shards = meta.get("shards", ["tokens.bin"])
     maps = [np.memmap(folder / name, dtype=dtype, mode="r") for name in shards]
@@ -256,7 +256,7 @@ def _open_tokens(path: Path, kind: str, vocab_size: int, tokenizer: Tokenizer | 
 
 @dataclass(frozen=True)
 class Corpus:
-    """Token ids of a whole corpus (read-only memmap or :class:`~seqpar.data.tokens.TokenStream`)
+    """Token ids of a whole corpus (read-only memmap or :class:`~seqpar.data.tokens.TokenSequence`)
     and the tokenizer that made them."""
 
     tokens: np.ndarray  # [n] ids, all < vocab_size (checked when opened)

@@ -10,7 +10,7 @@ SHA-256) is written the same way; a shard with a matching record is finished and
 a crash, anything else is encoded again. The cache's ``meta.json`` is written last, after every
 shard has been read back and checked against its record. Documents are encoded in batches
 (``encode_batch_fast``) and streamed to the shard, never the whole text in memory; documents are
-joined by the end-of-text id, so the shards read one after another are the corpus's stream.
+joined by the end-of-text id, so the shards read one after another are the corpus's token sequence.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Token sources read in place: one ``.npy``/``.bin`` file, a folder of token shards, a Megatron
 indexed dataset (``prefix.bin`` + ``prefix.idx``). Nothing is converted or copied.
 
-A folder of shards is one stream cut into files (sorted by name; each file memory-mapped). A
+A folder of shards is one token sequence cut into files (sorted by name; each file memory-mapped). A
 Megatron dataset is read through its index: the ``.idx`` file holds the magic ``MMIDIDX\\x00\\x00``,
 version 1 (``<Q``), a dtype code (``<B``), the sequence count and document count (``<Q`` each),
 then ``int32`` sequence lengths, ``int64`` byte pointers into the ``.bin`` and the ``int64``
@@ -26,9 +26,9 @@ IDX_DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6:
               8: np.uint16}
 
 
-class TokenStream:
-    """Segments of memory-mapped id arrays read as one 1-D stream, an end-of-text id before each
-    segment whose ``sep`` is set. ``stream[a:b]`` is a view (nothing read); ``np.asarray`` of a
+class TokenSequence:
+    """Segments of memory-mapped id arrays read as one 1-D sequence, an end-of-text id before each
+    segment whose ``sep`` is set. ``seq[a:b]`` is a view (nothing read); ``np.asarray`` of a
     view reads its ids (as ``dtype``, the segments' common type)."""
 
     def __init__(self, bases: list[np.ndarray], base: np.ndarray, lo: np.ndarray, hi: np.ndarray,
@@ -52,14 +52,14 @@ class TokenStream:
         if isinstance(key, slice):
             a, b, step = key.indices(len(self))
             if step != 1:
-                raise IndexError("TokenStream: only contiguous slices")
+                raise IndexError("TokenSequence: only contiguous slices")
             lo = self.window[0] + a
-            view = object.__new__(TokenStream)
+            view = object.__new__(TokenSequence)
             view.__dict__.update(self.__dict__, window=(lo, lo + max(0, b - a)))
             return view
         i = int(key) + (len(self) if int(key) < 0 else 0)
         if not 0 <= i < len(self):
-            raise IndexError(f"TokenStream index {key} out of range for length {len(self)}")
+            raise IndexError(f"TokenSequence index {key} out of range for length {len(self)}")
         return int(self._read(self.window[0] + i, self.window[0] + i + 1)[0])
 
     def _read(self, lo: int, hi: int) -> np.ndarray:
@@ -145,18 +145,18 @@ def map_ids(path: Path, vocab_size: int) -> np.ndarray:
     return tokens
 
 
-def open_shards(folder: Path, vocab_size: int) -> TokenStream:
-    """The ``.bin``/``.npy`` files of ``folder`` (sorted by name) as one stream, no separators added."""
+def open_shards(folder: Path, vocab_size: int) -> TokenSequence:
+    """The ``.bin``/``.npy`` files of ``folder`` (sorted by name) as one sequence, no separators added."""
     paths = shard_files(folder)
     if not paths:
         raise DataError(f"token folder {str(folder)!r} holds no .bin/.npy shards")
     return joined([map_ids(p, vocab_size) for p in paths])
 
 
-def joined(bases: list[np.ndarray]) -> TokenStream:
-    """Id arrays read one after another as one stream, nothing added between them."""
+def joined(bases: list[np.ndarray]) -> TokenSequence:
+    """Id arrays read one after another as one sequence, nothing added between them."""
     n = len(bases)
-    return TokenStream(bases, np.arange(n), np.zeros(n, np.int64), np.array([len(b) for b in bases], np.int64),
+    return TokenSequence(bases, np.arange(n), np.zeros(n, np.int64), np.array([len(b) for b in bases], np.int64),
                        np.zeros(n, bool), None)
 
 
@@ -193,8 +193,8 @@ def read_index(idx: Path, bin_bytes: int) -> tuple[np.dtype, np.ndarray, np.ndar
     return dtype, expect[:-1] // dtype.itemsize, doc_idx
 
 
-def open_indexed(prefix: Path, vocab_size: int, eot_id: int | None) -> TokenStream:
-    """A Megatron indexed dataset as one stream of its documents, joined by ``eot_id`` (inferred
+def open_indexed(prefix: Path, vocab_size: int, eot_id: int | None) -> TokenSequence:
+    """A Megatron indexed dataset as one sequence of its documents, joined by ``eot_id`` (inferred
     when every document already ends with the same id)."""
     bin_path, idx = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
     for p in (bin_path, idx):
@@ -211,7 +211,7 @@ def open_indexed(prefix: Path, vocab_size: int, eot_id: int | None) -> TokenStre
     lo, hi = lo[keep], hi[keep]
     last = np.asarray(ids[hi - 1], dtype=np.int64)
     if eot_id is None and len(lo) == 1:
-        return TokenStream([ids], np.zeros(1, np.int64), lo, hi, np.zeros(1, bool), None)
+        return TokenSequence([ids], np.zeros(1, np.int64), lo, hi, np.zeros(1, bool), None)
     if eot_id is None:
         if len(np.unique(last)) != 1:
             raise DataError(f"indexed dataset {str(prefix)!r}: no end-of-text id known to join its {len(lo)} "
@@ -220,7 +220,7 @@ def open_indexed(prefix: Path, vocab_size: int, eot_id: int | None) -> TokenStre
     if not 0 <= eot_id < vocab_size:
         raise DataError(f"data.eot_id={eot_id} is outside the vocabulary [0, {vocab_size})")
     sep = np.concatenate([[False], last[:-1] != eot_id])
-    return TokenStream([ids], np.zeros(len(lo), np.int64), lo, hi, sep, eot_id)
+    return TokenSequence([ids], np.zeros(len(lo), np.int64), lo, hi, sep, eot_id)
 
 
 def indexed_prefix(source: Path) -> Path | None:

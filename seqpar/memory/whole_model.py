@@ -32,7 +32,7 @@ from typing import Sequence
 
 from ..model.config import GPTConfig
 from ..model.modes import resolve_attention
-from ..recompute import full_recompute_plan
+from ..recompute import checkpoint_runs
 from ..model.recompute_ops import DROPPED_TERMS
 from .formulas import _SCORE_TERMS, _sbh_terms, outside_layer_terms
 from .moe import moe_ffn_terms
@@ -186,7 +186,7 @@ def model_activation_bytes(cfg: GPTConfig, *, t: int, micro_batch: int, activati
     if modes is not None:
         kinds = Counter(zip(modes, moe))
     elif cfg.recompute == "full":
-        runs = full_recompute_plan(cfg.layers, cfg.recompute_method, cfg.recompute_num_layers)
+        runs = checkpoint_runs(cfg.layers, cfg.recompute_method, cfg.recompute_num_layers)
         kinds = Counter(("none", moe[i]) for begin, end, ckpt in runs if not ckpt for i in range(begin, end))
         kinds["full", False] += sum(1 for *_, ckpt in runs if ckpt)  # one unit input per checkpointed unit
     else:

@@ -23,7 +23,7 @@ from ..distributed.mesh import ParallelMesh
 from ..distributed.rng import RNGStreams
 from ..errors import UserError
 from ..layers import ColumnParallelLinear, VocabParallelEmbedding, column_parallel_linear, vocab_parallel_cross_entropy
-from ..recompute import plan_recompute, run_plan
+from ..recompute import recompute_runs, run_layers
 from .recompute_ops import recompute_output
 from ..sharding import mark_sp_replicated
 from .attention import SelfAttention
@@ -191,7 +191,7 @@ class GPT(nn.Module):
         groups of ``num_layers`` layers), or one of those per layer (a list of ``len(blocks)``:
         selective layers recompute their attention core, each full layer is checkpointed alone).
         The choice lives on the model (``recompute_modes``, ``runs``); its config is left as built."""
-        self.recompute_modes, self.runs = plan_recompute(mode, len(self.blocks), method, num_layers)
+        self.recompute_modes, self.runs = recompute_runs(mode, len(self.blocks), method, num_layers)
         for block, m in zip(self.blocks, self.recompute_modes):
             if isinstance(block, Block):
                 block.attn.recompute = m == "selective"
@@ -226,7 +226,7 @@ class GPT(nn.Module):
             start = self.tp_rank * n if sp else 0
             x = x + position_rows(self.wpe.weight, tokens.shape[1], start, n, self.cp)  # this rank's rows
         x = self.drop(x)
-        x = run_plan(self.runs, self._run_blocks, x, self.rng)
+        x = run_layers(self.runs, self._run_blocks, x, self.rng)
         x = self.ln_f(x)
         weight = self.wte.weight if self.lm_head is None else self.lm_head.weight
         logits = column_parallel_linear(x, weight, tp_group=self.tp_group, sequence_parallel=sp)  # [s, b, v_pad/t]

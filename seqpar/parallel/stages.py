@@ -23,7 +23,7 @@ from ..model.context import context_mean_loss, position_rows, split_batch, strea
 from ..model.gpt import GPT
 from ..model.moe_sharding import gather_experts
 from ..model.vocab import check_token_ids, trim_rows
-from ..recompute import plan_recompute, run_plan
+from ..recompute import recompute_runs, run_layers
 from .. import sharding
 
 STAGE_SEED_OFFSET = 7919  # stage i draws dropout masks from seed + i * offset (stage 0: the GPT's seed)
@@ -95,8 +95,8 @@ class StageModule(nn.Module):
     def set_recompute(self, mode: str | Sequence[str], method: str = "uniform", num_layers: int = 1) -> None:
         """Recompute inside this stage: "none", "selective" (attention core) or "full" (``method``
         groups of ``num_layers`` of this stage's layers), or one of those per layer of the stage
-        (each full layer checkpointed alone); see :func:`seqpar.recompute.plan_recompute`."""
-        self.recompute_modes, self.runs = plan_recompute(mode, len(self.blocks), method, num_layers)
+        (each full layer checkpointed alone); see :func:`seqpar.recompute.recompute_runs`."""
+        self.recompute_modes, self.runs = recompute_runs(mode, len(self.blocks), method, num_layers)
         for block, m in zip(self.blocks.values(), self.recompute_modes):
             block.attn.recompute = m == "selective"
 
@@ -121,7 +121,7 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_first:
             x = self._embed(x)
-        x = run_plan(self.runs, self._run_blocks, x, self.rng)
+        x = run_layers(self.runs, self._run_blocks, x, self.rng)
         if not self.is_last:
             return x                                                # [s/t, b, h] to the next stage
         x = self.ln_f(x)

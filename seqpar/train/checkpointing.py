@@ -1,7 +1,7 @@
 """The Trainer's checkpoints: save (synchronous or in the background) and resume, as a component.
 
 A :class:`CheckpointManager` is given what a checkpoint holds -- the model parts and their RNG
-streams (the GPT, or this rank's pipeline stages), the optimizer, the data stream's position,
+streams (the GPT, or this rank's pipeline stages), the optimizer, the data position,
 the resolved run -- and writes and reads them through :mod:`seqpar.checkpoint`'s public functions.
 It also remembers the last good checkpoint (the one resumed from, or the newest written after
 steps without a skipped one), which keep-N never prunes: the one to roll back to.
@@ -40,7 +40,7 @@ def resume_global_batch(cfg: RunConfig) -> int | None:
 class CheckpointManager:
     """Save and resume one run's state on every rank. ``parts``/``streams``: the model parts and
     their RNG streams; ``module``: all parameters (the finite-weights check); ``batches``: the
-    training stream (``state_dict``/``load_dict`` of its position); ``attachments``: files saved
+    training batches (``state_dict``/``load_dict`` of its position); ``attachments``: files saved
     beside the weights (the tokenizer); ``data``: the training data's identity
     (:func:`seqpar.checkpoint.data_identity`), recorded and compared on resume; ``print``: rank 0's log."""
 

@@ -4,7 +4,7 @@ Setup (``Trainer(cfg)``), in order: the run resolved by :func:`seqpar.train.reso
 (validated on every rank before any collective; pipeline batch split, accumulation, ddp/fsdp,
 ``recompute: auto``, a resumed checkpoint's global batch) -> mesh -> header and resolved config
 -> corpus (every rank prepares it; a file lock, not a collective, makes the others wait while one
-builds the cache), train stream and eval batches -> the step engine (:mod:`seqpar.parallel.engine`: the GPT over FSDP2 or DDP on dp,
+builds the cache), training and eval batches -> the step engine (:mod:`seqpar.parallel.engine`: the GPT over FSDP2 or DDP on dp,
 or this rank's pipeline stages) -> optimizer -> checkpoint manager. :meth:`Trainer.fit` then
 resumes and runs the loop.
 
@@ -33,7 +33,7 @@ import torch
 from .. import flops
 from ..checkpoint import data_identity, open_checkpoint_dir
 from ..config import RunConfig, dump
-from ..data import Batch, data_streams, load_corpus, tokenizer_attachment
+from ..data import Batch, run_batches, load_corpus, tokenizer_attachment
 from ..distributed.collectives import all_reduce, group_size, world_group
 from ..distributed.mesh import ParallelMesh, init_parallel
 from ..parallel.data_parallel import state_bytes, state_line
@@ -129,10 +129,10 @@ class Trainer:
             self.logger.print(f"outputs: checkpoints {cfg.checkpoint.dir}, {self.logger.where}")
 
     def _setup_data(self) -> None:
-        """Corpus, the training stream of this dp rank, fixed eval batches, the tokenizer attachment."""
+        """Corpus, the training batches of this dp rank, fixed eval batches, the tokenizer attachment."""
         run = self.run
         self.corpus = load_corpus(run.cfg, self.logger.print)
-        self.batches, self.evals = data_streams(run.cfg, self.corpus, self.mesh.dp_rank, run.dp, run.accum,
+        self.batches, self.evals = run_batches(run.cfg, self.corpus, self.mesh.dp_rank, run.dp, run.accum,
                                                 self.logger.print)
         self.attachments = tokenizer_attachment(run.cfg, self.corpus, self.mesh.is_first)
 
@@ -176,7 +176,7 @@ class Trainer:
         ids come from a corpus range-checked when opened, so no per-batch vocabulary check (a
         host sync on GPUs) is needed. On CUDA they were copied from pinned memory without
         blocking, one step ahead (:meth:`prefetch`)."""
-        self.batches.step = step + 1  # the stream position checkpoints record
+        self.batches.step = step + 1  # the data position checkpoints record
         ahead, self._ahead = self._ahead, None
         return ahead[1] if ahead is not None and ahead[0] == step else self._to_device(step)
 

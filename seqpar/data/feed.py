@@ -1,4 +1,4 @@
-"""A run's data: the corpus, this dp rank's training stream and eval batches, the tokenizer file."""
+"""A run's data: the corpus, this dp rank's training batches and eval batches, the tokenizer file."""
 from __future__ import annotations
 
 import json
@@ -96,9 +96,9 @@ def _blend(cfg: RunConfig, parts: list[Corpus]) -> Corpus:
                   weights=tuple(w / sum(weights) for w in weights), names=tuple(names))
 
 
-def data_streams(cfg: RunConfig, corpus: Corpus, dp_rank: int, dp: int, accum: int,
+def run_batches(cfg: RunConfig, corpus: Corpus, dp_rank: int, dp: int, accum: int,
                  log: Callable[[str], None] | None = None) -> tuple[TokenBatches, list[Batch]]:
-    """The training stream of dp rank ``dp_rank`` (a step's global batch depends only on seed and
+    """The training batches of dp rank ``dp_rank`` (a step's global batch depends only on seed and
     step) and its fixed held-out batches (none when eval is off or the split is too short). A
     blend draws from each source's training split and holds out the tail of each source; ``log``
     then gets the mix the run's steps draw, next to the weights."""
@@ -136,4 +136,4 @@ def tokenizer_attachment(cfg: RunConfig, corpus: Corpus, is_first: bool) -> dict
     return files
 
 
-__all__ = ["data_streams", "load_corpus", "run_tokenizer", "tokenizer_attachment"]
+__all__ = ["run_batches", "load_corpus", "run_tokenizer", "tokenizer_attachment"]
