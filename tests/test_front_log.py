@@ -60,8 +60,10 @@ def test_a_corpus_another_rank_encoded_still_gets_its_data_line(tmp_path):
     assert any(re.match(r"data: 1 documents, [\d,]+ tokens \(cache ", ln) for ln in second), second
 
 
-def test_the_end_of_run_sample_starts_from_the_data_or_the_given_prompt(tmp_path, capsys):
+def test_the_end_of_run_sample_starts_from_the_data_or_the_given_prompt(tmp_path, capsys, monkeypatch):
     from tokenizers import Tokenizer, models, pre_tokenizers
+
+    import seqpar.train.trainer as trainer
 
     words = ["<|endoftext|>", "<unk>", "the", "cat", "sat", "on", "mat", "."]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
@@ -73,9 +75,17 @@ def test_the_end_of_run_sample_starts_from_the_data_or_the_given_prompt(tmp_path
     base = [o for o in run_overrides(tmp_path, {**RUN, "model.vocab_size": 300}) if not o.startswith("data.source")]
     base += [f"data.source={tmp_path / 'texts'}", f"data.tokenizer={tmp_path / 'tokenizer.json'}",
              f"data.cache_dir={tmp_path / 'cache'}", "data.eval_fraction=0.3"]
+    asked, sample_ids = [], trainer.sample_ids
+    monkeypatch.setattr(trainer, "sample_ids", lambda m, p, n, **kw: asked.append(n) or sample_ids(m, p, n, **kw))
     samples = {}
-    for name, extra in (("data", []), ("given", ["train.sample_prompt=cat on"])):
+    for name, extra in (("data", []), ("given", ["train.sample_prompt=cat on"]),
+                        ("three", ["train.sample_prompt=cat on", "train.sample_tokens=3"]),
+                        ("off", ["train.sample_tokens=0"])):
         assert seqpar(["train", *base, *extra, f"checkpoint.dir={tmp_path / name}"]) == 0
-        samples[name] = capsys.readouterr().out.split("sample:\n", 1)[1]
-    assert samples["data"].startswith("the cat sat"), samples
-    assert samples["given"].startswith("cat on"), samples
+        samples[name] = capsys.readouterr().out.split("sample:", 1)[1:]
+    assert samples["data"][0].startswith("\nthe cat sat"), samples
+    assert samples["given"][0].startswith("\ncat on"), samples
+    assert asked == [48, 48, 3], asked  # train.sample_tokens: 48 by default
+    assert samples["off"] == [], samples  # train.sample_tokens=0: no sample
+    assert seqpar(["train", *base, "train.sample_tokens=-1"]) == 2
+    assert "train.sample_tokens" in capsys.readouterr().err

@@ -107,7 +107,7 @@ VALID: dict[str, st.SearchStrategy] = {
     "train.sample_prompt": st.none() | st.sampled_from(["def ", "The ", "Once upon a time,"]),
     "train.log_interval": st.integers(1, 10**4), "train.eval_interval": st.integers(0, 10**4),
     "train.eval_batches": st.integers(1, 1000), "train.threads_per_rank": st.integers(1, 256),
-    "train.max_skipped_steps": st.integers(1, 10**6),
+    "train.max_skipped_steps": st.integers(1, 10**6), "train.sample_tokens": st.integers(0, 10**4),
     "checkpoint.resume": st.sampled_from(["auto", "never", "runs/ckpt", "runs/ckpt/step_00000010"]),
     "train.memory_budget_gib": st.none() | _floats(0.0, 1e6, exclude_min=True),
     "train.compile": st.sampled_from([True, False, "auto"]),

@@ -177,12 +177,15 @@ class TrainConfig(Freezable):
     memory_check: bool = True
     # the end-of-run sample's prompt; None = the first tokens of a held-out document
     sample_prompt: str | None = None
+    # new tokens of the end-of-run sample; 0 = no sample (a whole-model forward per token: under
+    # TP or FSDP each one runs the layers' collectives)
+    sample_tokens: int = 48
 
     def validate(self) -> None:
         for name in ("steps", "micro_batch", "global_batch", "log_interval", "eval_batches", "threads_per_rank",
                      "max_skipped_steps"):
             check_at_least(f"train.{name}", getattr(self, name), 1)
-        for name in ("warmup_steps", "eval_interval", "seed"):
+        for name in ("warmup_steps", "eval_interval", "seed", "sample_tokens"):
             check_at_least(f"train.{name}", getattr(self, name), 0)
         check_number("train.lr", self.lr, "> 0")
         check_number("train.min_lr", self.min_lr, ">= 0")

@@ -270,9 +270,10 @@ class Trainer:
         all_reduce(total, world)
         return float(total / group_size(world))
 
-    def sample(self, prompt: str | None = None, max_new_tokens: int = 48) -> str:
+    def sample(self, prompt: str | None = None, max_new_tokens: int | None = None) -> str:
         """Text continuing ``prompt`` (default: ``train.sample_prompt``, else a document's opening from
-        the held-out data), seeded by ``train.seed``; a collective under TP, call on every rank."""
+        the held-out data) by ``max_new_tokens`` (default: ``train.sample_tokens``), seeded by
+        ``train.seed``; a collective under TP, call on every rank."""
         if self.corpus.tokenizer is None:
             raise ValueError(f"sample: the corpus {self.run.cfg.data.source!r} is a bare token file without a "
                              f"tokenizer.json beside it")
@@ -281,8 +282,8 @@ class Trainer:
                              "model; sample from a checkpoint with seqpar generate")
         try:
             prompt = prompt if prompt is not None else self.run.cfg.train.sample_prompt or self.corpus.opening()
-            ids = sample_ids(self.engine.full_model, self.corpus.encode(prompt), max_new_tokens,
-                             seed=self.run.cfg.train.seed)
+            new = self.run.cfg.train.sample_tokens if max_new_tokens is None else max_new_tokens
+            ids = sample_ids(self.engine.full_model, self.corpus.encode(prompt), new, seed=self.run.cfg.train.seed)
         finally:
             self.engine.after_forward_only()
         return self.corpus.decode(ids)
@@ -350,9 +351,12 @@ class Trainer:
                     stopped = True
                     break
             whole = self.engine.full_model is not None
-            if self.corpus.tokenizer is not None and not stopped and whole:
-                self._print_sample()
-            elif not whole and self.history["checkpoint"]:
+            if self.run.cfg.train.sample_tokens == 0:
+                pass  # no end-of-run sample asked for
+            elif whole:
+                if self.corpus.tokenizer is not None and not stopped:
+                    self._print_sample()
+            elif self.history["checkpoint"]:
                 self.logger.print(f"sample: seqpar generate {self.run.cfg.checkpoint.dir} (one process, any layout)")
         finally:
             self.close()
