@@ -1,6 +1,7 @@
 """Tiny training runs for tests: a token file under the test's folder and the overrides that point
 a run's data, checkpoints and outputs there. Each test states the model and training settings it
 needs; this module only does the plumbing they share."""
+import subprocess
 import time
 from pathlib import Path
 
@@ -77,3 +78,13 @@ def wait_for(cond, proc, log: Path, what: str, timeout: float = 300) -> None:
             proc.kill()
             raise AssertionError(f"{what} did not happen:\n{log.read_text()[-4000:]}")
         time.sleep(0.2)
+
+
+def cli_here(args: list[str], capsys) -> subprocess.CompletedProcess:
+    """``seqpar ARGS`` through the console script's function in this process (no interpreter to
+    start): its exit code and what it printed, as ``subprocess.run`` would return them."""
+    from seqpar.cli import main
+    capsys.readouterr()
+    code = main(args)
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["seqpar", *args], code, out.out, out.err)

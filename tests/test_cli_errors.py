@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch.distributed
+from run_helpers import cli_here as _cli
 
 from seqpar.config.errors import UserError, is_user_error
 
@@ -30,15 +31,6 @@ def _tokens(tmp: Path, bad_id: int | None = None) -> str:
 def _run(args: list[str], cwd: Path, timeout=240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _cli(args: list[str], capsys) -> subprocess.CompletedProcess:
-    """``seqpar ARGS`` through the console script's function in this process: its exit code and output."""
-    from seqpar.cli import main
-    capsys.readouterr()
-    code = main(args)
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(["seqpar", *args], code, out.out, out.err)
 
 
 def _assert_one_line(proc: subprocess.CompletedProcess, *needles: str) -> None:

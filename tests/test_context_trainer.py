@@ -19,7 +19,7 @@ from seqpar.distributed.mesh import ParallelMesh, init_parallel
 from seqpar.train import Trainer
 from seqpar.train.resolve import resolve_run
 
-from run_helpers import TINY_MODEL, run_overrides
+from run_helpers import TINY_MODEL, cli_here, run_overrides
 
 
 # no dropout (cp refuses attention dropout) so every layout's losses equal one process's
@@ -143,24 +143,28 @@ def test_resolve_refuses_bad_cp_layouts():
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _launch(tmp, nproc: int, *overrides: str) -> tuple[list[float], list[float]]:
-    """``seqpar train configs/tiny-cpu.yaml --nproc-per-node N`` for 3 steps: (printed losses, logged ones)."""
+def _launch(tmp, nproc: int, *overrides: str, capsys=None) -> tuple[list[float], list[float]]:
+    """``seqpar train configs/tiny-cpu.yaml --nproc-per-node N`` for 3 steps: (printed losses, logged
+    ones). With ``capsys``: one process, through the command's own function in this one."""
     out = tmp / f"nproc{nproc}"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    argv = [sys.executable, "-m", "seqpar.cli", "train", str(ROOT / "configs/tiny-cpu.yaml"), "--nproc-per-node",
-            str(nproc), *overrides, "train.steps=3", "train.log_interval=1", "train.eval_interval=0",
-            "checkpoint.interval=0", f"out_dir={out}", f"checkpoint.dir={out / 'ckpt'}"]
-    run = subprocess.run(argv, cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
+    args = ["train", str(ROOT / "configs/tiny-cpu.yaml"), *overrides, "train.steps=3", "train.log_interval=1",
+            "train.eval_interval=0", "checkpoint.interval=0", f"out_dir={out}", f"checkpoint.dir={out / 'ckpt'}"]
+    if capsys is not None:
+        run = cli_here(args, capsys)
+    else:
+        run = subprocess.run([sys.executable, "-m", "seqpar.cli", *args[:2], "--nproc-per-node", str(nproc), *args[2:]],
+                             cwd=tmp, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     printed = [float(x) for x in re.findall(r"^step +\d+/3 .*?\| loss ([0-9.]+) \|", run.stdout, re.M)]
     logged = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     return printed, logged
 
 
-def test_the_issue_command_trains_the_one_process_losses(tmp_path):
+def test_the_issue_command_trains_the_one_process_losses(tmp_path, capsys):
     """Done means: `seqpar train configs/tiny-cpu.yaml --nproc-per-node 4 parallel.cp=2 parallel.tp=2`
     trains the losses of `--nproc-per-node 1` (same seed and data) within 1e-4."""
-    one = _launch(tmp_path, 1, "parallel.tp=1")
+    one = _launch(tmp_path, 1, "parallel.tp=1", capsys=capsys)
     cp = _launch(tmp_path, 4, "parallel.cp=2", "parallel.tp=2")
     assert len(one[0]) == len(cp[0]) == len(one[1]) == len(cp[1]) == 3, (one, cp)
     assert np.allclose(cp[1], one[1], atol=1e-4, rtol=0), (cp[1], one[1])

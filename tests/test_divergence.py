@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from run_helpers import run_overrides
+from run_helpers import cli_here, run_overrides
 from seqpar.config import load_run_config
 from seqpar.distributed.mesh import ParallelMesh
 from seqpar.model import GPT, GPTConfig
@@ -141,9 +141,10 @@ def _one_line(p: subprocess.CompletedProcess, pattern: str) -> str:
     return lines[0]
 
 
-def test_the_cli_stops_a_diverged_run_in_one_line(tmp_path):
+def test_the_cli_stops_a_diverged_run_in_one_line(tmp_path, capsys):
     _trainer(tmp_path).fit()  # the good run's checkpoints, steps 5 and 10 (in this process: quicker)
-    p = _train(tmp_path, 1, {**GOOD, **DIVERGE}, "diverged")
+    # one process, through the command's own function (the launcher's relay: the runs below)
+    p = cli_here(["train", *run_overrides(tmp_path, {**SMALL, **GOOD, **DIVERGE}, out="diverged")], capsys)
     ckpt = tmp_path / "ckpt"
     _one_line(p, rf"seqpar train: steps \d+-\d+ skipped in a row, more than train.max_skipped_steps=10 "
                  rf".*checkpoint.resume={re.escape(str(ckpt / 'step_00000010'))} and a lower train.lr")
