@@ -125,7 +125,7 @@ def test_compiled_training_equals_eager_over_five_steps_and_compiles_once_per_bl
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             graphs.append(unique_graphs())
         runs[compiled] = (losses, graphs)
     (eager, _), (comp, graphs) = runs[False], runs[True]

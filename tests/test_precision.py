@@ -64,7 +64,7 @@ def test_bf16_recipe_keeps_fp32_masters_and_accumulates_in_fp32():
         prec.accumulate(model, weights)
         assert all(w.grad is None for w in weights.values())
         losses.append(float(loss.detach()))
-        losses.append(float(ref(_tokens(seed), _tokens(seed + 10))))
+        losses.append(float(ref(_tokens(seed), _tokens(seed + 10)).detach()))
     for n, p in model.named_parameters():
         assert type(p) is torch.nn.Parameter and p.dtype == torch.float32 and p.grad.dtype == torch.float32
         assert torch.equal(p.grad, expected[n]), n
