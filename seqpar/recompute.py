@@ -82,7 +82,7 @@ def checkpoint(run_fn: Callable, *args, streams: RNGStreams | None = None):
 
 
 def run_layers(runs: Sequence[tuple[int, int, bool]], run_blocks: Callable, x: torch.Tensor,
-             streams: RNGStreams | None = None) -> torch.Tensor:
+               streams: RNGStreams | None = None) -> torch.Tensor:
     """Run the layer runs ``(start, end, checkpointed)`` of a recompute setting (:func:`checkpoint_runs`,
     :func:`per_layer_runs`) through ``run_blocks(x, start, end)``; a checkpointed run keeps only
     its input and replays ``streams`` when recomputed."""

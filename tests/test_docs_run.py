@@ -4,10 +4,10 @@ The commands come from the pages' fenced ``bash`` and ``python`` blocks, so a ne
 covered without touching this file. Each runs in one scratch folder, in page order (README first),
 so a later line finds what an earlier one wrote (``runs/tiny-cpu/checkpoints``). The test adds only
 what keeps it cheap: ``train.steps`` of 2 more than the checkpoint already holds, a small data
-budget, a 4-token end-of-run sample. ``seqpar`` commands run through the command line's own entry; ``--nproc-per-node N`` runs
-the rank's program on N local ranks (the launcher itself: tests/test_local_launcher.py). A line
-that cannot run here is listed in NOT_RUN with its reason, and a listed line no page has any more
-fails the test, so nothing is skipped silently.
+budget, a 4-token end-of-run sample. ``seqpar`` commands run through the command line's own entry;
+``--nproc-per-node N`` runs the rank's program on N local ranks (the launcher itself:
+tests/test_local_launcher.py). A line that cannot run here is listed in NOT_RUN with its reason,
+and a listed line no page has any more fails the test, so nothing is skipped silently.
 """
 from __future__ import annotations
 

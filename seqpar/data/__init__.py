@@ -17,8 +17,8 @@
 from .batches import Batch, TokenBatches, eval_batches
 from .cache import EOT
 from .corpus import Corpus, default_cache_dir, list_documents, open_corpus, prepare_corpus
-from .feed import run_batches, load_corpus, tokenizer_attachment
+from .feed import load_corpus, run_batches, tokenizer_attachment
 from .text import Document
 
-__all__ = ["EOT", "Batch", "Corpus", "Document", "TokenBatches", "run_batches", "default_cache_dir", "eval_batches",
-           "list_documents", "load_corpus", "open_corpus", "prepare_corpus", "tokenizer_attachment"]
+__all__ = ["EOT", "Batch", "Corpus", "Document", "TokenBatches", "default_cache_dir", "eval_batches",
+           "list_documents", "load_corpus", "open_corpus", "prepare_corpus", "run_batches", "tokenizer_attachment"]

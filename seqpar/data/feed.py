@@ -97,7 +97,7 @@ def _blend(cfg: RunConfig, parts: list[Corpus]) -> Corpus:
 
 
 def run_batches(cfg: RunConfig, corpus: Corpus, dp_rank: int, dp: int, accum: int,
-                 log: Callable[[str], None] | None = None) -> tuple[TokenBatches, list[Batch]]:
+                log: Callable[[str], None] | None = None) -> tuple[TokenBatches, list[Batch]]:
     """The training batches of dp rank ``dp_rank`` (a step's global batch depends only on seed and
     step) and its fixed held-out batches (none when eval is off or the split is too short). A
     blend draws from each source's training split and holds out the tail of each source; ``log``
@@ -136,4 +136,4 @@ def tokenizer_attachment(cfg: RunConfig, corpus: Corpus, is_first: bool) -> dict
     return files
 
 
-__all__ = ["run_batches", "load_corpus", "run_tokenizer", "tokenizer_attachment"]
+__all__ = ["load_corpus", "run_batches", "run_tokenizer", "tokenizer_attachment"]

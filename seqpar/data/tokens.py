@@ -157,7 +157,7 @@ def joined(bases: list[np.ndarray]) -> TokenSequence:
     """Id arrays read one after another as one sequence, nothing added between them."""
     n = len(bases)
     return TokenSequence(bases, np.arange(n), np.zeros(n, np.int64), np.array([len(b) for b in bases], np.int64),
-                       np.zeros(n, bool), None)
+                         np.zeros(n, bool), None)
 
 
 def shard_files(folder: Path) -> list[Path]:

@@ -33,7 +33,7 @@ import torch
 from .. import flops
 from ..checkpoint import data_identity, open_checkpoint_dir
 from ..config import RunConfig, dump
-from ..data import Batch, run_batches, load_corpus, tokenizer_attachment
+from ..data import Batch, load_corpus, run_batches, tokenizer_attachment
 from ..distributed.collectives import all_reduce, group_size, world_group
 from ..distributed.mesh import ParallelMesh, init_parallel
 from ..parallel.data_parallel import state_bytes, state_line
@@ -133,7 +133,7 @@ class Trainer:
         run = self.run
         self.corpus = load_corpus(run.cfg, self.logger.print)
         self.batches, self.evals = run_batches(run.cfg, self.corpus, self.mesh.dp_rank, run.dp, run.accum,
-                                                self.logger.print)
+                                               self.logger.print)
         self.attachments = tokenizer_attachment(run.cfg, self.corpus, self.mesh.is_first)
 
     def _setup_model(self) -> None:
@@ -350,13 +350,10 @@ class Trainer:
                                       f"exiting cleanly")
                     stopped = True
                     break
-            whole = self.engine.full_model is not None
-            if self.run.cfg.train.sample_tokens == 0:
-                pass  # no end-of-run sample asked for
-            elif whole:
-                if self.corpus.tokenizer is not None and not stopped:
-                    self._print_sample()
-            elif self.history["checkpoint"]:
+            whole, asked = self.engine.full_model is not None, self.run.cfg.train.sample_tokens > 0
+            if asked and whole and self.corpus.tokenizer is not None and not stopped:
+                self._print_sample()
+            elif asked and not whole and self.history["checkpoint"]:
                 self.logger.print(f"sample: seqpar generate {self.run.cfg.checkpoint.dir} (one process, any layout)")
         finally:
             self.close()
